@@ -1,0 +1,114 @@
+"""Resolving a contract against an exported program: which node is which region.
+
+Every check that needs the program (a region input that is not a placeholder,
+an axis out of range, a wrapped path that matches no node) lives here, so the
+plan and the passes see the same, already validated, view of the program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
+
+from cadence_fx.contract import Contract, ContractError, Region
+
+
+@dataclass(frozen=True)
+class RegionSite:
+    """Where one region enters and leaves one exported program."""
+
+    region: Region
+    axis: int  # normalised to a non-negative index
+    shape: tuple[int, ...]  # shape of the region input in this program
+    out_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def extent(self) -> int:
+        return self.shape[self.axis]
+
+    @property
+    def out_extent(self) -> int:
+        return self.out_shape[self.axis]
+
+
+def user_input_nodes(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def output_values(gm: GraphModule) -> list[object]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    vals = out.args[0]
+    return list(vals) if isinstance(vals, (list, tuple)) else [vals]
+
+
+def input_names(ep: ExportedProgram) -> list[str]:
+    return list(ep.graph_signature.user_inputs)
+
+
+def _static_shape(val: object, what: str) -> tuple[int, ...]:
+    if not isinstance(val, torch.Tensor):
+        raise ContractError(f"{what}: is not a tensor in the exported program")
+    try:
+        return tuple(int(s) for s in val.shape)
+    except TypeError as e:  # symbolic sizes
+        raise ContractError(f"{what}: has symbolic shape {tuple(val.shape)}; export one program per "
+                            "catalog class with static shapes (see cadence_fx.plan)") from e
+
+
+def bind_regions(ep: ExportedProgram, contract: Contract) -> dict[str, RegionSite]:
+    """Validate ``contract`` against ``ep`` and locate every region; raises ContractError naming the field."""
+    contract.validate_self()
+    names = input_names(ep)
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    user_outs = list(ep.graph_signature.user_outputs)
+    out_node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    out_by_name = {a.name: a for a in out_node.args[0] if isinstance(a, Node)}
+    sites: dict[str, RegionSite] = {}
+    for r in contract.regions:
+        where = f"Region {r.name!r}"
+        if r.input not in names:
+            kind = "is not a user input placeholder" if r.input in placeholders else "names no program input"
+            raise ContractError(f"{where}.input: {r.input!r} {kind}; user inputs are {names}")
+        val = placeholders[r.input].meta.get("val")
+        shape = _static_shape(val, f"{where}.input {r.input!r}")
+        if not -len(shape) <= r.axis < len(shape):
+            raise ContractError(f"{where}.axis: {r.axis} is out of range for input {r.input!r} of rank {len(shape)}")
+        axis = r.axis % len(shape)
+        if not 0 <= r.output < len(user_outs) and not (-len(user_outs) <= r.output < 0):
+            raise ContractError(f"{where}.output: index {r.output} out of range; the program has "
+                                f"{len(user_outs)} user outputs")
+        out_name = user_outs[r.output]
+        oval = out_by_name[out_name].meta.get("val") if out_name in out_by_name else None
+        out_shape = _static_shape(oval, f"{where}.output {r.output}")
+        if len(out_shape) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(shape, out_shape)) if i != axis):
+            raise ContractError(f"{where}.output: output {r.output} has shape {out_shape}, which does not match "
+                                f"input {r.input!r} {shape} outside axis {axis}")
+        for d in r.live:
+            if not -len(shape) <= d < len(shape) or d % len(shape) == axis:
+                raise ContractError(f"{where}.live: dim {d} is out of range or is the clock axis")
+        sites[r.name] = RegionSite(r, axis, shape, out_shape, val.dtype, val.device)
+    _check_wrap_paths(ep, contract)
+    return sites
+
+
+def module_paths(node: Node) -> list[str]:
+    """Module paths (outermost first) of the calls that produced ``node``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [path for path, _cls in stack.values()]
+
+
+def _check_wrap_paths(ep: ExportedProgram, contract: Contract) -> None:
+    seen: set[str] = set()
+    for n in ep.graph.nodes:
+        seen.update(module_paths(n))
+    for w in contract.wrap:
+        if w not in seen:
+            near = sorted(p for p in seen if p and (w in p or p in w))[:5]
+            raise ContractError(f"Contract.wrap: {w!r} matches no node's nn_module_stack"
+                                + (f"; close paths: {near}" if near else "")
+                                + " (a module entered through a method other than __call__ is not recorded)")

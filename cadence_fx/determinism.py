@@ -1,0 +1,112 @@
+"""Determinism envelope: pin the kernel settings exactness is judged under, and prove
+that a baseline reproduces itself under them before comparing anything with it.
+
+The stock GPU baseline is not reproducible run to run as shipped; with cuDNN pinned
+(``deterministic=True``, ``benchmark=False``) it is. ``torch.use_deterministic_algorithms``
+stays off by default: it is not needed for that, it raises on ops that lack a
+deterministic variant, wants ``CUBLAS_WORKSPACE_CONFIG``, and fills every new tensor
+(extra kernels inside captured graphs) unless
+``torch.utils.deterministic.fill_uninitialized_memory`` is turned off. Reproducibility
+is therefore proved by ``check_reproducible`` rather than assumed from a flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+__all__ = ["NotReproducibleError", "check_reproducible", "envelope", "pin_envelope", "sha256_tensors"]
+
+
+class NotReproducibleError(RuntimeError):
+    """Two runs of the same program under the same envelope produced different bytes."""
+
+    def __init__(self, run_index: int, digests: list[str]) -> None:
+        self.run_index = run_index
+        self.digests = digests
+        super().__init__(f"run {run_index} differs from run 0: sha256 {digests[run_index]} != {digests[0]}")
+
+
+def pin_envelope(*, deterministic_algorithms: bool = False) -> dict[str, object]:
+    """Pin cuDNN to deterministic, non-benchmarked kernels and return the envelope applied.
+
+    The returned dict also records the settings and versions that bound the envelope
+    (TF32 flags, library versions), so it can be printed next to a result.
+    """
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(deterministic_algorithms)
+    return describe_envelope()
+
+
+def describe_envelope() -> dict[str, object]:
+    """The current envelope settings, without changing any."""
+    fill = getattr(torch.utils, "deterministic", None)
+    return {
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "fill_uninitialized_memory": getattr(fill, "fill_uninitialized_memory", None),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+@contextmanager
+def envelope(*, deterministic_algorithms: bool = False) -> Iterator[dict[str, object]]:
+    """``pin_envelope`` for the duration of a ``with`` block; previous settings come back on exit."""
+    previous = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        yield pin_envelope(deterministic_algorithms=deterministic_algorithms)
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[:2]
+        torch.use_deterministic_algorithms(previous[2], warn_only=previous[3])
+
+
+def sha256_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> str:
+    """SHA-256 of the raw bytes of the tensors, in order (``None`` entries are skipped).
+
+    Bytes are taken in row-major order of the logical tensor, so the digest does not
+    depend on strides. Copying to the host synchronizes with the device.
+    """
+    h = hashlib.sha256()
+    for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+        if t is None:
+            continue
+        flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+        if flat.numel():
+            h.update(_raw_bytes(flat.view(torch.uint8)))
+    return h.hexdigest()
+
+
+def _raw_bytes(flat: torch.Tensor) -> memoryview | bytes:
+    try:
+        return flat.numpy().data
+    except (ImportError, RuntimeError):  # torch built or installed without numpy
+        return bytes(flat.clone().untyped_storage())
+
+
+def check_reproducible(run: Callable[[], Sequence[torch.Tensor] | torch.Tensor], *, runs: int = 2) -> str:
+    """Run ``run`` ``runs`` times; return the common digest or raise ``NotReproducibleError``.
+
+    Each run's outputs are hashed before the next run starts, so programs that reuse
+    output buffers (graph replay) are judged on what each run returned.
+    """
+    if runs < 1:
+        raise ValueError("runs must be at least 1")
+    digests: list[str] = []
+    for i in range(runs):
+        digests.append(sha256_tensors(run()))
+        if digests[i] != digests[0]:
+            raise NotReproducibleError(i, digests)
+    return digests[0]

@@ -1,0 +1,147 @@
+"""Carry writeback: ``cat([cache, new])`` becomes an in-place write into the contract-owned buffer.
+
+The region's history sits at the front of one flat buffer, so when the clock
+axis is outermost (every dim before it has size 1) history + new positions is a
+contiguous prefix of that buffer: writing only the new positions there and
+reading the prefix gives the consumer the very tensor the concatenation would
+have built (same values, same shape, same contiguous strides). The model's
+concatenation order is checked against the declaration on every cat that
+touches the region, including through views; a mismatch is an error.
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule, Node
+
+from cadence_fx.audit import audit, auditor_node
+from cadence_fx.contract import ContractError, Ring
+from cadence_fx.graph_utils import aten, cat_dim, flat_view, is_view, numel, overload_name, register_tensor, shape_of
+from cadence_fx.passes import PassContext, RegionState
+
+# Views that keep the clock axis where it is or move it predictably.
+_AXIS_PRESERVING = {"alias", "detach", "contiguous", "clone"}
+
+
+def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Bind every region to its buffer; rewrite the region's append-concatenation into an in-place write."""
+    graph = gm.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    changed = 0
+    for name, site in ctx.sites.items():
+        region = site.region
+        ph = placeholders[region.input]
+        attr = register_tensor(gm, f"_cf_region_{_ident(name)}_", ctx.region_buffers[name])
+        state = RegionState(buffer_attr=attr, placeholder=ph)
+        ctx.regions[name] = state
+        cats = _cats_on_axis(ph, site.axis)
+        if not cats:
+            if site.extent > 0 and not _is_ring(site):
+                raise ContractError(
+                    f"Region {name!r}: the graph never concatenates input {region.input!r} along axis "
+                    f"{site.axis}; the cache pattern does not match the declaration")
+            continue
+        for cat, pos, n_parts in cats:
+            found = "old_new" if pos == 0 else "new_old" if pos == n_parts - 1 else f"middle operand {pos}"
+            if found != region.order:
+                raise ContractError(
+                    f"Region {name!r}: declared order {region.order!r} but node {cat.name} concatenates "
+                    f"the cache as {found} ({overload_name(cat)} of {n_parts} operands); declare the "
+                    "order the model uses")
+        direct = [c for c, pos, _ in cats if c.args[0] and c.args[0][0] is ph and cat_dim(c) == site.axis]
+        leading = all(s == 1 for s in site.shape[: site.axis])
+        if region.order != "old_new" or not leading or len(direct) != 1:
+            continue  # the output-side writeback (retention_in_place) still owns the region
+        cat = direct[0]
+        cat_shape = shape_of(cat)
+        capacity = ctx.region_buffers[name].numel()
+        if cat_shape is None or numel(cat_shape) > capacity:
+            continue
+        inner = numel(site.shape[site.axis + 1:])
+        with graph.inserting_before(cat):
+            buf = graph.get_attr(attr)
+            offset = site.extent
+            for part in cat.args[0][1:]:
+                pshape = shape_of(part)
+                length = pshape[site.axis]
+                dst = flat_view(graph, buf, offset * inner, pshape)
+                graph.call_function(aten.copy_.default, (dst, part))
+                offset += length
+            carry = flat_view(graph, buf, 0, cat_shape)
+        carry.meta["val"] = cat.meta.get("val")
+        cat.replace_all_uses_with(carry)
+        if ctx.verify:  # the original concatenation stays in the graph as the audit's reference
+            with graph.inserting_before(cat.next):
+                graph.call_function(audit, (auditor_node(gm, ctx), name, "carry append", carry, cat))
+        state.carry, state.carry_extent = carry, cat_shape[site.axis]
+        changed += 1
+    graph.eliminate_dead_code()
+    gm.recompile()
+    ctx.record("carry_writeback", changed)
+    return gm
+
+
+def _cats_on_axis(ph: Node, axis: int) -> list[tuple[Node, int, int]]:
+    """Every cat along the (tracked) clock axis that takes a view of ``ph``: (cat, operand index, operands)."""
+    found: list[tuple[Node, int, int]] = []
+    frontier: list[tuple[Node, int]] = [(ph, axis)]
+    seen: set[Node] = set()
+    while frontier:
+        node, ax = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            name = overload_name(user)
+            if name == "cat":
+                parts = user.args[0]
+                if cat_dim(user) == ax:
+                    found.append((user, parts.index(node), len(parts)))
+                continue
+            new_ax = _track_axis(user, node, ax)
+            if new_ax is not None:
+                frontier.append((user, new_ax))
+    return found
+
+
+def _track_axis(user: Node, src: Node, ax: int) -> int | None:
+    """Where the clock axis of ``src`` lands in ``user``, for the view ops we can follow; None otherwise."""
+    name = overload_name(user)
+    if user.op == "call_function" and getattr(user.target, "__name__", "") == "getitem":
+        return ax if _is_split_like(src) else None
+    if not (is_view(user) or name in _AXIS_PRESERVING) or user.args[0] is not src:
+        return None
+    rank = len(shape_of(src) or ())
+    if name in _AXIS_PRESERVING or name in ("split", "split_with_sizes", "chunk", "unbind"):
+        if name == "unbind":
+            d = (user.args[1] if len(user.args) > 1 else 0) % rank
+            return None if d == ax else ax - (d < ax)
+        return ax
+    if name == "slice":
+        return ax  # a slice along the axis keeps it the clock axis (a prefix or window of history)
+    if name == "select":
+        d = user.args[1] % rank
+        return None if d == ax else ax - (d < ax)
+    if name == "unsqueeze":
+        d = user.args[1] % (rank + 1)
+        return ax + (d <= ax)
+    if name == "transpose":
+        a, b = user.args[1] % rank, user.args[2] % rank
+        return b if ax == a else a if ax == b else ax
+    if name == "permute":
+        perm = [p % rank for p in user.args[1]]
+        return perm.index(ax)
+    return None
+
+
+def _is_split_like(node: Node) -> bool:
+    return overload_name(node) in ("split", "split_with_sizes", "chunk", "unbind")
+
+
+def _is_ring(site) -> bool:
+    return isinstance(site.region.retention, Ring)
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+

@@ -1,0 +1,157 @@
+"""Retention in place: the region's outgoing value is written into its own buffer.
+
+The stock trim ``cat([x[:P], x[-R:]])`` (or the sliding window ``x[-W:]``)
+becomes copies into the contract-owned buffer: a part already at its place is
+not copied (the head of an in-place carry), a part that overlaps its
+destination is staged through a temporary first, everything else is copied
+once. The returned state is a view of the buffer, so the next call sees the
+same address. The trim found in the graph is checked against the declared
+policy for this program's extents; a mismatch is an error naming the region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.fx import GraphModule, Node
+
+from cadence_fx.audit import audit, auditor_node
+from cadence_fx.binding import RegionSite
+from cadence_fx.contract import ContractError, HeadTail, Ring
+from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, numel, output_node, overload_name,
+                                    set_flat_output, shape_of, view_root)
+from cadence_fx.passes import PassContext
+
+
+@dataclass
+class _Part:
+    src: Node
+    dst_offset: int
+    length: int
+    src_offset: int | None  # offset of src along the axis inside its base, when src is a slice of it
+    base: Node
+
+
+def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Write each region's outgoing state into its buffer (compacting in place); check the trim policy."""
+    graph = gm.graph
+    out = output_node(graph)
+    outs = flat_outputs(graph)
+    region_out_idx = {site.region.output % len(outs) for site in ctx.sites.values()}
+    buffers = {n for n in graph.nodes if n.op == "get_attr" and n.target.startswith("_cf_region_")}
+    aliased_roots = buffers | {s.placeholder for s in ctx.regions.values()}
+    copies = 0
+    with graph.inserting_before(out):
+        # outputs that are views of a region must be read before the region is rewritten
+        for i, v in enumerate(outs):
+            if i not in region_out_idx and isinstance(v, Node) and view_root(v) in aliased_roots:
+                set_flat_output(graph, i, graph.call_function(aten.clone.default, (v,)))
+        for name, site in ctx.sites.items():
+            state = ctx.regions[name]
+            value = outs[site.region.output % len(outs)]
+            parts = _parts(value, site, ctx.contract.growth(site.region))
+            buf = graph.get_attr(state.buffer_attr)
+            dst = flat_view(graph, buf, 0, site.out_shape)
+            inner = numel(site.shape[site.axis + 1:])
+            leading = all(s == 1 for s in site.shape[: site.axis])
+            staged: list[tuple[_Part, Node]] = []
+            for p in parts:
+                in_place = p.src is state.placeholder and site.out_shape == site.shape
+                in_place |= p.base is state.carry and state.carry is not None and p.src_offset == p.dst_offset
+                if in_place:
+                    continue
+                src = p.src
+                if view_root(p.src) in aliased_roots:
+                    src = graph.call_function(aten.clone.default, (p.src,))  # overlapping move: stage it
+                staged.append((p, src))
+            for p, src in staged:
+                pshape = list(site.out_shape)
+                pshape[site.axis] = p.length
+                if leading:
+                    target = flat_view(graph, buf, p.dst_offset * inner, pshape)
+                else:
+                    target = graph.call_function(aten.slice.Tensor, (dst, site.axis, p.dst_offset,
+                                                                     p.dst_offset + p.length))
+                graph.call_function(aten.copy_.default, (target, src))
+                copies += 1
+            if ctx.verify:
+                graph.call_function(audit, (auditor_node(gm, ctx), name, "retention", dst, value))
+            set_flat_output(graph, site.region.output % len(outs), dst)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    ctx.record("retention_in_place", copies)
+    return gm
+
+
+def _parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
+    """Decompose the outgoing state into slices of one source, checking them against the policy."""
+    r = site.region
+    pol = r.retention
+    name = r.name
+    if not isinstance(value, Node) or shape_of(value) is None:
+        raise ContractError(f"Region {name!r}: output {r.output} is not a tensor computed by the graph")
+    m = site.extent + growth
+    expect = pol.capacity if isinstance(pol, Ring) else pol.apply(m)
+    if site.out_extent != expect:
+        raise ContractError(
+            f"Region {name!r}: the program returns {site.out_extent} positions on axis {site.axis} for an "
+            f"input of {site.extent} (+{growth} per call = {m}), but {pol!r} keeps {expect}; the graph's "
+            "retention does not match the declaration")
+    trims = not isinstance(pol, Ring) and m > pol.bound()
+    if not trims:
+        return [_Part(value, 0, expect, 0, value)]
+    slices = _as_slices(value, site.axis)
+    want = ([(0, pol.head), (m - pol.tail, m)] if isinstance(pol, HeadTail) else [(m - pol.size, m)])
+    want = [w for w in want if w[1] > w[0]]
+    got = None if slices is None else [(s, e) for _node, _base, s, e in slices]
+    bases = {b for _n, b, _s, _e in slices} if slices else set()
+    base_ok = len(bases) == 1 and (shape_of(next(iter(bases))) or [0] * (site.axis + 1))[site.axis] == m
+    if got != want or not base_ok:
+        found = f"slices {got} of a {m}-position tensor" if got else f"{overload_name(value) or value.op} {value.name}"
+        raise ContractError(
+            f"Region {name!r}: retention in the graph does not match {pol!r}: expected to keep "
+            f"{want} of {m} positions on axis {site.axis}, found {found}")
+    parts, offset = [], 0
+    for node, base, s, e in slices:
+        parts.append(_Part(node, offset, e - s, s, base))
+        offset += e - s
+    return parts
+
+
+def _as_slices(value: Node, axis: int) -> list[tuple[Node, Node, int, int]] | None:
+    """``value`` as [(slice node, base, start, end)] along ``axis``: a cat of slices or a single slice."""
+    items = value.args[0] if overload_name(value) == "cat" and cat_dim(value) == axis else [value]
+    out = []
+    for it in items:
+        name = overload_name(it) if isinstance(it, Node) else ""
+        if name not in ("slice", "narrow"):
+            return None
+        base = it.args[0]
+        rank = len(shape_of(base) or ())
+        dim = (it.args[1] if len(it.args) > 1 else 0) % max(rank, 1)
+        n = (shape_of(base) or [0] * rank)[dim] if rank else 0
+        if name == "narrow":
+            start, length = it.args[2], it.args[3]
+            if not isinstance(start, int) or not isinstance(length, int):
+                return None
+            start = _norm(start, n)
+            end, step = start + length, 1
+        else:
+            start = it.args[2] if len(it.args) > 2 else 0
+            end = it.args[3] if len(it.args) > 3 else n
+            step = it.args[4] if len(it.args) > 4 else 1
+            if not isinstance(start, (int, type(None))) or not isinstance(end, (int, type(None))):
+                return None
+            start, end = _norm(start, n), _norm(end if end is not None else n, n)
+        if dim != axis or step != 1:
+            return None
+        out.append((it, base, start, end))
+    return out
+
+
+def _norm(i: int | None, n: int) -> int:
+    if i is None:
+        return 0
+    if i < 0:
+        i += n
+    return max(0, min(i, n))

@@ -1,0 +1,27 @@
+"""The pass pipeline, in the one order it runs. Each entry is ``(GraphModule, PassContext) -> GraphModule``."""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from cadence_fx.passes import PassContext
+from cadence_fx.passes.carry_writeback import carry_writeback
+from cadence_fx.passes.hoist_constants import hoist_constants
+from cadence_fx.passes.lower_replay import lower_replay
+from cadence_fx.passes.partition import partition
+from cadence_fx.passes.retention_in_place import retention_in_place
+
+PIPELINE = (
+    hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
+    carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
+    retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
+    partition,            # one sub-GraphModule per wrapped invocation
+    lower_replay,         # wrapped partitions -> exact-shape replay runners
+)
+
+
+def run_pipeline(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    for p in PIPELINE:
+        gm = p(gm, ctx)
+        gm.graph.lint()
+    return gm

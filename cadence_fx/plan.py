@@ -1,0 +1,189 @@
+"""What a contract implies before any traffic: extents, bytes and the signature catalog.
+
+Paper section 3.5: a region whose extent starts at ``initial``, grows by a fixed
+stride and is cut by its retention policy visits a finite set of extents
+before the policy pins it. Those extents, per call, are the exact signature
+classes to capture; nothing else can reach the step under the contract.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from cadence_fx.binding import RegionSite, bind_regions
+from cadence_fx.contract import Contract, ContractError, HeadTail, Region, Ring
+
+
+def region_extents(region: Region, growth: int, *, max_calls: int = 10_000) -> list[int]:
+    """Input extents the region takes, call after call, until the retention policy pins it."""
+    pol = region.retention
+    t = pol.capacity if isinstance(pol, Ring) else region.initial
+    seen: list[int] = []
+    for _ in range(max_calls):
+        if t in seen:
+            return seen
+        seen.append(t)
+        t = pol.apply(t + growth) if not isinstance(pol, Ring) else t
+    raise ContractError(f"Region {region.name!r}: extent never settles under {pol!r} "
+                        f"(growth {growth}); the retention is unbounded in effect")
+
+
+def call_classes(contract: Contract, *, max_calls: int = 10_000) -> list[dict[str, int]]:
+    """Distinct per-call region extents (one dict per class), in stream order, until every region is pinned."""
+    per = {r.name: region_extents(r, contract.growth(r), max_calls=max_calls) for r in contract.regions}
+    classes: list[dict[str, int]] = []
+    k = 0
+    while True:
+        cls = {name: ext[min(k, len(ext) - 1)] for name, ext in per.items()}
+        if cls in classes:
+            return classes
+        classes.append(cls)
+        k += 1
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """The derived facts for one region (see :func:`plan`)."""
+
+    name: str
+    order: str
+    retention: str
+    extents: tuple[int, ...]  # catalog: input extents visited
+    attended: int  # longest history a consumer reads (the carry)
+    envelope: int  # longest in-flight extent (history + new positions before retention)
+    leading: bool  # clock axis is outermost (in-place append possible)
+    stored: int  # extent the contract-owned buffer is sized to
+    stored_shape: tuple[int, ...]
+    stored_bytes: int
+    static_source: str | None  # the workspace the program itself allocates for this region
+    static_shape: tuple[int, ...] | None
+    static_bytes: int | None
+    demand_shape: tuple[int, ...] | None
+    demand_bytes: int | None
+
+    @property
+    def over_reservation(self) -> float | None:
+        if self.static_bytes is None or not self.demand_bytes:
+            return None
+        return self.static_bytes / self.demand_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything :func:`cadence_fx.optimize` will allocate and capture, derived from the contract."""
+
+    regions: tuple[RegionPlan, ...]
+    classes: tuple[dict[str, int], ...]
+    wrap: tuple[str, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def region(self, name: str) -> RegionPlan:
+        return next(r for r in self.regions if r.name == name)
+
+    def __str__(self) -> str:
+        lines = ["cadence_fx plan", ""]
+        hdr = f"{'region':<22}{'order':<9}{'retention':<22}{'attended':>9}{'envelope':>9}{'stored':>8}{'MiB':>9}"
+        lines += [hdr, "-" * len(hdr)]
+        for r in self.regions:
+            lines.append(f"{r.name:<22}{r.order:<9}{r.retention:<22}{r.attended:>9}{r.envelope:>9}"
+                         f"{r.stored:>8}{r.stored_bytes / 2**20:>9.2f}")
+        lines += ["", "static envelope the program allocates vs. contract demand:"]
+        for r in self.regions:
+            if r.static_shape is None:
+                lines.append(f"  {r.name}: no program-owned workspace (fresh tensors every call)")
+                continue
+            lines.append(f"  {r.name}: {r.static_source} {tuple(r.static_shape)} = {r.static_bytes / 2**20:.1f} MiB"
+                         f"  vs demand {tuple(r.demand_shape)} = {r.demand_bytes / 2**20:.1f} MiB"
+                         f"  -> {r.over_reservation:.2f}x over-reserved")
+        lines += ["", f"catalog: {len(self.classes)} signature class(es) per wrapped callable"
+                  f" ({', '.join(self.wrap) or 'no wrapped callables'})"]
+        for i, c in enumerate(self.classes):
+            lines.append(f"  class {i}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+        for r in self.regions:
+            lines.append(f"  {r.name} extents: {list(r.extents)}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+_VIEW_OPS = {"slice", "select", "alias", "view", "narrow", "detach", "_unsafe_view", "expand"}
+
+
+def _workspace_of(node: Node) -> Node | None:
+    """Follow view ops back from a region output to the buffer it is a view of, if any."""
+    while isinstance(node, Node):
+        if node.op in ("get_attr", "placeholder"):
+            return node
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if node.op != "call_function" or name not in _VIEW_OPS:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+
+
+def _describe(pol: object) -> str:
+    return repr(pol)
+
+
+def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract) -> Plan:
+    """Derive per-region extents, bytes, the static envelope and the signature catalog.
+
+    ``exported`` may be one program or one per catalog class; the first is used for shapes.
+    """
+    ep = exported if isinstance(exported, ExportedProgram) else list(exported)[0]
+    sites = bind_regions(ep, contract)
+    out_node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    user_outs = list(ep.graph_signature.user_outputs)
+    by_name = {a.name: a for a in out_node.args[0] if isinstance(a, Node)}
+    buffers = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs
+               if spec.target is not None and hasattr(spec.arg, "name")}
+    regions: list[RegionPlan] = []
+    for r in contract.regions:
+        site: RegionSite = sites[r.name]
+        g = contract.growth(r)
+        ext = region_extents(r, g)
+        attended = max(ext)
+        envelope = attended if isinstance(r.retention, Ring) else max(e + g for e in ext)
+        leading = all(s == 1 for s in site.shape[: site.axis])
+        stored = envelope if leading else attended
+        stored_shape = _with(site.shape, site.axis, stored, {})
+        src = _workspace_of(by_name.get(user_outs[r.output]))
+        static_shape = static_bytes = demand_shape = demand_bytes = None
+        static_source = None
+        if src is not None and src.op == "placeholder" and src.name in buffers:
+            sval = src.meta["val"]
+            if sval.dim() == len(site.shape):
+                static_source = buffers[src.name]
+                static_shape = tuple(int(s) for s in sval.shape)
+                static_bytes = _nbytes(static_shape, sval.dtype)
+                demand_shape = _with(static_shape, site.axis, envelope, r.live)
+                demand_bytes = _nbytes(demand_shape, sval.dtype)
+        regions.append(RegionPlan(
+            name=r.name, order=r.order, retention=_describe(r.retention), extents=tuple(ext),
+            attended=attended, envelope=envelope, leading=leading, stored=stored,
+            stored_shape=stored_shape, stored_bytes=_nbytes(stored_shape, site.dtype),
+            static_source=static_source, static_shape=static_shape, static_bytes=static_bytes,
+            demand_shape=demand_shape, demand_bytes=demand_bytes))
+    notes = []
+    if any(r.live for r in contract.regions):
+        notes.append("live dims shrink the workspace demand; the region buffer keeps the program's own input shape")
+    if any(isinstance(r.retention, HeadTail) for r in contract.regions):
+        notes.append("HeadTail keeps [:head] and [-tail:] of the concatenated axis in the model's own order")
+    return Plan(tuple(regions), tuple(call_classes(contract)), tuple(contract.wrap), tuple(notes))
+
+
+def _with(shape: Sequence[int], axis: int, extent: int, live: dict[int, int] | object) -> tuple[int, ...]:
+    out = list(shape)
+    out[axis] = extent
+    for d, n in dict(live).items():
+        out[d % len(out)] = min(out[d % len(out)], n)
+    return tuple(out)

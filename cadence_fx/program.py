@@ -1,0 +1,262 @@
+"""``cadence_fx.optimize``: the drop-in replacement for ``exported_program.module()``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+
+from cadence_fx.audit import Auditor
+from cadence_fx.binding import RegionSite, bind_regions, input_names
+from cadence_fx.contract import Contract, ContractError
+from cadence_fx.pipeline import run_pipeline
+from cadence_fx.passes import PassContext
+from cadence_fx.plan import Plan, plan as make_plan
+
+log = logging.getLogger("cadence_fx")
+
+Replay = Literal["auto", "off"]
+
+
+class CatalogMiss(RuntimeError):
+    """A call whose region extents no exported program of this optimized program covers."""
+
+
+class ReplayRunner(torch.nn.Module):
+    """A wrapped partition behind the replay engine; captures a new class only during warm-up."""
+
+    def __init__(self, fn: torch.nn.Module, engine: Any, owner: "OptimizedProgram") -> None:
+        super().__init__()
+        self.fn = fn
+        self.engine = engine
+        self._owner = [owner]  # not a submodule
+
+    def forward(self, *args: Any) -> Any:
+        if self._owner[0]._capturing:
+            key = self.engine.signature(args)
+            if key is not None and key not in self.engine.classes:
+                self.engine.capture(*args)
+        return self.engine(*args)
+
+
+class OptimizedProgram:
+    """Callable like ``exported_program.module()``; owns the region buffers and the replay runners.
+
+    Outputs that are not state regions are bit-identical to the unmodified program on every call.
+    State outputs are views of contract-owned buffers: feed them back as they are (no copy, the
+    data pointer is checked), or feed any other tensor (a snapshot restored at a turn boundary)
+    and it is copied into the buffer.
+    """
+
+    def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
+                 replay: Replay | Any) -> None:
+        self.contract = contract
+        self.plan: Plan = make_plan(exported, contract)
+        self.auditor = Auditor() if verify else None
+        self._capturing = False
+        self._names = input_names(exported[0])
+        self._region_index = {r.name: self._names.index(r.input) for r in contract.regions}
+        self._pool = None
+        self._backend = _pick_backend(replay)
+        first_sites = bind_regions(exported[0], contract)
+        self.region_buffers: dict[str, torch.Tensor] = {
+            rp.name: torch.zeros(_numel(rp.stored_shape), dtype=first_sites[rp.name].dtype,
+                                 device=first_sites[rp.name].device)
+            for rp in self.plan.regions}
+        self.stats: dict[str, Any] = {"calls": 0, "state_adopted": 0, "state_in_place": 0, "passes": {}}
+        self._programs: dict[tuple, tuple[GraphModule, dict[str, RegionSite], PassContext]] = {}
+        for ep in exported:
+            sites = bind_regions(ep, contract)
+            ctx = PassContext(contract=contract, plan=self.plan, sites=sites, region_buffers=self.region_buffers,
+                              verify=verify, auditor=self.auditor,
+                              make_runner=self._make_runner if self._backend is not None else None)
+            gm = run_pipeline(copy.deepcopy(ep.module()), ctx)
+            key = _key_of_program(ep)
+            if key in self._programs:
+                raise ContractError(f"two exported programs share the input signature {key}")
+            self._programs[key] = (gm, sites, ctx)
+            for k, v in ctx.changed.items():
+                self.stats["passes"][k] = self.stats["passes"].get(k, 0) + v
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = list(args) + [kwargs.pop(n) for n in self._names[len(args):] if n in kwargs]
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
+        gm, sites, _ctx = self._select(flat)
+        for name, site in sites.items():
+            i = self._region_index[name]
+            flat[i] = self._adopt(name, flat[i], site)
+        self.stats["calls"] += 1
+        if self.auditor is not None:
+            self.auditor.call += 1
+        return gm(*flat)
+
+    def _select(self, flat: Sequence[Any]):
+        key = tuple(_arg_key(a) for a in flat)
+        hit = self._programs.get(key)
+        if hit is not None:
+            return hit
+        if len(self._programs) == 1:
+            return next(iter(self._programs.values()))
+        raise CatalogMiss(f"no exported program covers input signature {key}; the catalog is "
+                          f"{[c for c in self.plan.classes]} (export one program per class)")
+
+    def _adopt(self, name: str, arg: Any, site: RegionSite) -> torch.Tensor:
+        buf = self.region_buffers[name]
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"region {name!r}: expected a tensor for input {site.region.input!r}, got {type(arg)}")
+        if arg.data_ptr() == buf.data_ptr() and arg.is_contiguous() and arg.dtype == buf.dtype:
+            self.stats["state_in_place"] += 1
+            return arg
+        if arg.numel() > buf.numel():
+            raise ContractError(f"region {name!r}: input of shape {tuple(arg.shape)} exceeds the contract-owned "
+                                f"buffer ({buf.numel()} elements, plan extent {self.plan.region(name).stored})")
+        if arg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            arg = arg.clone()  # a view into the buffer itself: copy out before overwriting
+        view = buf[: arg.numel()].view(arg.shape)
+        view.copy_(arg)
+        self.stats["state_adopted"] += 1
+        return view
+
+    # ------------------------------------------------------------------ replay
+    def _make_runner(self, fn: torch.nn.Module, *, name: str, aliased: Sequence[int]) -> ReplayRunner:
+        from cadence_fx.replay import ExactShapeReplay
+
+        if self._pool is None:
+            self._pool = self._backend.new_pool()
+        engine = ExactShapeReplay(fn, name=name, aliased=aliased, pool=self._pool, backend=self._backend)
+        return ReplayRunner(fn, engine, self)
+
+    def runners(self) -> dict[str, Any]:
+        """All replay engines, by partition and wrapped invocation."""
+        out = {}
+        for key, (_gm, _sites, ctx) in self._programs.items():
+            for name, runner in ctx.runners.items():
+                out[f"{len(out)}:{name}"] = runner.engine
+        return out
+
+    def counters(self) -> dict[str, Any]:
+        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners)."""
+        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {}}
+        for eng in self.runners().values():
+            c = eng.counters
+            for k in ("replays", "eager", "invalidations", "captures"):
+                total[k] += getattr(c, k)
+            for reason, n in c.rejections.items():
+                total["rejections"][reason] = total["rejections"].get(reason, 0) + n
+        return total
+
+    def warmup(self, *example_args: Any) -> dict[str, Any]:
+        """Capture every catalog class before traffic; the program's state is left exactly as found.
+
+        One call per exported program runs with region inputs of that program's extents; the other
+        inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
+        do not matter for capture, shapes do). Returns the warm-up seconds and per-class reports.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        with self._preserved_state():
+            self._capturing = True
+            try:
+                for pkey, (_gm, sites, _ctx) in self._programs.items():
+                    flat = []
+                    for i, want in enumerate(pkey):
+                        ex = example_args[i] if i < len(example_args) else None
+                        if want[0] == "T" and (not isinstance(ex, torch.Tensor) or _arg_key(ex) != want):
+                            device = ex.device if isinstance(ex, torch.Tensor) else next(
+                                iter(self.region_buffers.values())).device
+                            ex = torch.zeros(want[1], dtype=want[2], device=device)
+                        flat.append(ex)
+                    for name, site in sites.items():
+                        flat[self._region_index[name]] = self.region_buffers[name][: _numel(site.shape)].view(site.shape)
+                    self(*flat)
+            finally:
+                self._capturing = False
+        return {"seconds": time.perf_counter() - t0,
+                "classes": {name: dict(eng.classes) for name, eng in self.runners().items()}}
+
+    @contextmanager
+    def _preserved_state(self) -> Iterator[None]:
+        saved = {k: v.clone() for k, v in self.region_buffers.items()}
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        calls = self.stats["calls"]
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                self.region_buffers[k].copy_(v)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            self.stats["calls"] = calls
+
+    # ------------------------------------------------------------------ introspection
+    def region_pointer(self, name: str) -> int:
+        """The data pointer every returned state view of region ``name`` starts at."""
+        return self.region_buffers[name].data_ptr()
+
+    def graph_modules(self) -> list[GraphModule]:
+        return [gm for gm, _s, _c in self._programs.values()]
+
+
+def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
+             verify: bool = False, replay: Replay | Any = "auto") -> OptimizedProgram:
+    """Rewrite a streaming step under ``contract`` and return a drop-in replacement for ``ep.module()``.
+
+    Args:
+        exported: one ``torch.export`` program of the step, or one per catalog class (the extents
+            ``cadence_fx.plan`` lists) when the step is exported with static shapes.
+        contract: the native-clock contract.
+        verify: shadow-run the stock concatenation at every carry append and retention and raise
+            :class:`cadence_fx.audit.RetentionMismatch` on the first differing element.
+        replay: ``"auto"`` replays wrapped partitions through CUDA graphs when CUDA is available
+            (eager otherwise), ``"off"`` never replays, or a replay backend object.
+    """
+    eps = [exported] if isinstance(exported, ExportedProgram) else list(exported)
+    if not eps:
+        raise ContractError("optimize: no exported program given")
+    return OptimizedProgram(eps, contract, verify=verify, replay=replay)
+
+
+def _pick_backend(replay: Replay | Any) -> Any:
+    if replay == "off":
+        return None
+    if replay == "auto":
+        from cadence_fx.replay import CudaGraphBackend
+
+        backend = CudaGraphBackend()
+        return backend if backend.available() else None
+    return replay
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _arg_key(a: Any) -> tuple:
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), a.dtype)
+    return ("S", type(a).__name__)
+
+
+def _key_of_program(ep: ExportedProgram) -> tuple:
+    phs = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    out = []
+    for name in input_names(ep):
+        val = phs[name].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out.append(("T", tuple(int(s) if isinstance(s, int) else s for s in val.shape), val.dtype))
+        else:
+            out.append(("S", type(val).__name__))
+    return tuple(out)

@@ -1,0 +1,520 @@
+"""Exact-shape replay: one CUDA graph per exact input signature, eager otherwise.
+
+``ExactShapeReplay`` wraps one callable of tensors and replays it through
+graphs captured at exact signatures (no padding, no buckets). Admission fails
+closed: whatever the engine cannot prove equal to eager runs eagerly, and every
+such call is counted by reason. See the paper, sections 3.3-3.4.
+
+Graph memory per class (``ClassReport.graph_bytes``) is the change of
+``torch.cuda.memory_reserved()`` across the capture, i.e. what the graph's
+private pool newly took from the device. Classes sharing one pool can reuse
+blocks freed by earlier captures, so later classes may report less.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import struct
+import time
+from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+try:
+    import numpy as _np
+except ImportError:  # numpy is optional; its global RNG is then not watched
+    _np = None
+
+__all__ = [
+    "ClassReport", "CudaGraphBackend", "ExactShapeReplay", "FakeBackend",
+    "ReplayBackend", "ReplayCounters", "Signature",
+]
+
+log = logging.getLogger("cadence_fx.replay")
+
+Signature = tuple
+_SCALARS = (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_TENSORS = (torch.Tensor, torch.nn.Parameter)  # other subclasses may override ops: not keyed
+_ALIGN = 16  # kernels (vectorized loads, cuBLAS) pick paths by pointer alignment up to 16 bytes
+_WARMUP = 2
+
+
+class ReplayBackend(Protocol):
+    """What the engine needs from a graph backend."""
+
+    device_type: str
+
+    def available(self) -> bool: ...
+    def new_pool(self) -> object: ...
+    def side_stream(self) -> AbstractContextManager[object]: ...
+    def device_rng_get(self) -> torch.Tensor: ...
+    def device_rng_set(self, state: torch.Tensor) -> None: ...
+    def capture(self, fn: Callable[..., Any], static_args: Sequence[object], pool: object
+                ) -> tuple[Callable[[], None], Any, int]: ...
+
+
+class CudaGraphBackend:
+    """``torch.cuda.CUDAGraph`` backend; the device RNG is the default CUDA generator."""
+
+    device_type = "cuda"
+
+    def __init__(self, device: torch.device | int | None = None) -> None:
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device() if self._device is None
+                            else torch.device("cuda", self._device).index)
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def new_pool(self) -> object:
+        return torch.cuda.graph_pool_handle()
+
+    def side_stream(self) -> AbstractContextManager[object]:
+        return _SideStream(self.device)
+
+    def device_rng_get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device)
+
+    def device_rng_set(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.device)
+
+    def capture(self, fn, static_args, pool):
+        dev = self.device
+        # Empty the cache first: torch.cuda.graph does so on entry, which would
+        # otherwise show up as a negative delta unrelated to the graph.
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(dev), torch.cuda.graph(graph, pool=pool):
+            outputs = fn(*static_args)
+        torch.cuda.synchronize(dev)
+        return graph.replay, outputs, max(0, torch.cuda.memory_reserved(dev) - before)
+
+
+class _SideStream:
+    """Warm-up stream, fenced on both sides as the CUDA-graph docs recommend."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._stream = torch.cuda.Stream(device)
+        self._ctx = torch.cuda.stream(self._stream)
+
+    def __enter__(self) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+        torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+
+
+class FakeBackend:
+    """CPU stand-in: "capture" records fn and its static args, "replay" reruns fn on them
+    and writes the results into the static outputs, as a graph writes its fixed buffers.
+    Device randomness is ``self.generator`` (callables must draw from it explicitly)."""
+
+    device_type = "cpu"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.captures = 0
+        self.replays = 0
+        self.fail_capture: Exception | None = None  # set to make the next captures raise
+
+    def available(self) -> bool:
+        return True
+
+    def new_pool(self) -> object:
+        return object()
+
+    def side_stream(self) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def device_rng_get(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def device_rng_set(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    def capture(self, fn, static_args, pool):
+        if self.fail_capture is not None:
+            raise self.fail_capture
+        self.captures += 1
+        outputs = fn(*static_args)  # the engine restores whatever this run changed
+        static, _ = _flatten(outputs)
+
+        def replay() -> None:
+            self.replays += 1
+            fresh, _ = _flatten(fn(*static_args))
+            for s, f in zip(static, fresh):
+                if s is not None and f is not None and s.data_ptr() != f.data_ptr():
+                    s.copy_(f)
+
+        nbytes = sum(t.untyped_storage().nbytes() for t in static if t is not None)
+        return replay, outputs, nbytes
+
+
+@dataclass
+class ReplayCounters:
+    """Per-engine call accounting; every eager call has exactly one rejection reason."""
+
+    replays: int = 0
+    eager: int = 0
+    rejections: Counter = field(default_factory=Counter)
+    invalidations: int = 0
+    captures: int = 0
+
+
+@dataclass
+class ClassReport:
+    """Outcome of ``capture`` for one signature class."""
+
+    key: Signature | None
+    admitted: bool
+    reason: str | None = None          # rejection reason when not admitted
+    effect: str | None = None          # "pure" | "device_rng"
+    capture_seconds: float = 0.0       # probe + warm-up + capture
+    graph_bytes: int = 0               # memory_reserved delta across capture (see module doc)
+    staging_bytes: int = 0             # static input buffers, outside the graph pool
+    aliased_ptrs: dict[int, int] = field(default_factory=dict)
+    copy_back: tuple[int, ...] = ()    # staged arguments fn mutates, written back after replay
+    error: str | None = None
+
+
+@dataclass
+class _Graph:
+    report: ClassReport
+    replay: Callable[[], None]
+    static_args: list[object]
+    stages: tuple[_Stage, ...]
+    static_outputs: list[torch.Tensor | None]
+    rebuild: Callable[[list], Any]
+    keep: tuple[bool, ...]  # outputs viewing an aliased buffer: returned as-is
+
+
+def _flatten(out: Any) -> tuple[list[torch.Tensor | None], Callable[[list], Any]]:
+    if isinstance(out, torch.Tensor):
+        return [out], lambda xs: xs[0]
+    if type(out) in (tuple, list) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        kind = type(out)
+        return list(out), (lambda xs: kind(xs))
+    raise TypeError(f"unsupported output type {type(out).__name__}: expected a tensor or a tuple/list of tensors")
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _host_rng() -> tuple:
+    return (torch.get_rng_state(), random.getstate(), _np.random.get_state() if _np is not None else None)
+
+
+def _host_rng_set(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    if _np is not None:
+        _np.random.set_state(state[2])
+
+
+def _host_rng_equal(a: tuple, b: tuple) -> bool:
+    if not torch.equal(a[0], b[0]) or a[1] != b[1]:
+        return False
+    if _np is None:
+        return True
+    (na, ka, *ra), (nb, kb, *rb) = a[2], b[2]
+    return na == nb and _np.array_equal(ka, kb) and ra == rb
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bitwise, so NaN payloads and signed zeros count.
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@dataclass
+class _Stage:
+    """Copies one argument into its static buffer. Arguments with a zero stride
+    (expanded) cannot be written elementwise, so their whole storage span is copied."""
+
+    index: int
+    dst: torch.Tensor
+    span: int | None  # element count of the span to copy, or None for a plain copy_
+
+    def load(self, src: torch.Tensor) -> None:
+        if self.span is None:
+            self.dst.copy_(src)
+        else:
+            self.dst.copy_(src.as_strided((self.span,), (1,), src.storage_offset()))
+
+
+def _staging_buffer(index: int, t: torch.Tensor) -> tuple[torch.Tensor, _Stage]:
+    """A buffer with the shape, strides, dtype, device and pointer alignment of ``t``."""
+    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    shift = (t.data_ptr() % _ALIGN) // t.element_size()
+    flat = torch.empty(extent + shift, dtype=t.dtype, device=t.device)
+    static = flat.as_strided(t.shape, t.stride(), shift)
+    if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
+        return static, _Stage(index, flat[shift:], extent)
+    return static, _Stage(index, static, None)
+
+
+class ExactShapeReplay:
+    """Replays ``fn`` through one graph per exact input signature; eager otherwise.
+
+    ``aliased`` names argument positions holding contract-owned buffers: the
+    graph uses them in place (no staging copy) and each call checks their
+    ``data_ptr()``. Other tensor arguments are copied into per-class static
+    buffers before each replay. Classes are captured only through ``capture``.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, name: str, aliased: Sequence[int] = (),
+                 pool: object = None, backend: ReplayBackend | None = None,
+                 clone_outputs: bool = True) -> None:
+        self.fn = fn
+        self.name = name
+        self.aliased = tuple(sorted(set(aliased)))
+        self.backend: ReplayBackend = CudaGraphBackend() if backend is None else backend
+        self._live = self.backend.available()
+        self.pool = pool
+        self.clone_outputs = clone_outputs
+        self.counters = ReplayCounters()
+        self.classes: dict[Signature, ClassReport] = {}
+        self._graphs: dict[Signature, _Graph] = {}
+        self._refused: dict[Signature, str] = {}  # key -> reason calls with it run eager
+        self._logged: set[tuple[str, Signature | None]] = set()
+
+    # -- keying ---------------------------------------------------------------
+
+    def signature(self, args: Sequence[object]) -> Signature | None:
+        """Hashable key of a call, or None if some argument cannot be keyed.
+
+        Reads only metadata (never tensor data, never synchronizes). Beyond shape,
+        stride, dtype, device and requires_grad, the key holds pointer alignment
+        (kernel choice can depend on it) and the ambient numeric settings that
+        change which kernels eager would run.
+        """
+        if self.aliased and self.aliased[-1] >= len(args):
+            return None
+        parts: list[object] = [_ambient()]
+        storages: dict[int, int] = {}
+        for i, a in enumerate(args):
+            if type(a) in _TENSORS:
+                if a.layout is not torch.strided or a.is_conj() or a.is_neg() or a.is_quantized:
+                    return None
+                # A staged copy would break aliasing with another argument, so refuse it.
+                sp = _storage_ptr(a)
+                if sp and sp in storages and (i not in self.aliased or storages[sp] not in self.aliased):
+                    return None
+                if sp:
+                    storages.setdefault(sp, i)
+                parts.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
+                              a.data_ptr() % _ALIGN))
+            elif i in self.aliased:
+                return None
+            elif type(a) is float:
+                parts.append((float, struct.pack("<d", a)))  # exact bits: -0.0 and NaN differ from 0.0
+            elif type(a) in _SCALARS:
+                parts.append((type(a), a))
+            else:
+                return None
+        return tuple(parts)
+
+    # -- calls ------------------------------------------------------------------
+
+    def __call__(self, *args: object) -> Any:
+        if not self._live:
+            return self._eager("no_backend", None, args)
+        key = self.signature(args)
+        if key is None:
+            return self._eager("unkeyable_argument", None, args)
+        g = self._graphs.get(key)
+        if g is None:
+            return self._eager(self._refused.get(key, "signature_miss"), key, args)
+        for i, ptr in g.report.aliased_ptrs.items():
+            if args[i].data_ptr() != ptr:
+                self._drop(key, f"aliased argument {i} moved from {ptr:#x} to {args[i].data_ptr():#x}")
+                return self._eager("pointer_drift", key, args)
+        for stage in g.stages:
+            stage.load(args[stage.index])
+        g.replay()
+        for i in g.report.copy_back:
+            args[i].copy_(g.static_args[i])
+        self.counters.replays += 1
+        outs = [o.clone() if o is not None and self.clone_outputs and not keep else o
+                for o, keep in zip(g.static_outputs, g.keep)]
+        return g.rebuild(outs)
+
+    def capture(self, *args: object) -> ClassReport:
+        """Probe, warm up and capture the class of ``args``; state is left as found.
+
+        The probe runs ``fn`` eagerly once to classify its effects; warm-up and
+        capture run on static buffers. RNG states and the contents of every
+        tensor argument ``fn`` mutates are restored after each run.
+        """
+        if not self._live:
+            return self._refuse(None, "no_backend")
+        key = self.signature(args)
+        if key is None:
+            return self._refuse(None, "unkeyable_argument")
+        if key in self._graphs:
+            return self._graphs[key].report
+        if self._refused.get(key) == "host_randomness":
+            return ClassReport(key, False, "host_randomness")
+        foreign = [i for i, a in enumerate(args)
+                   if isinstance(a, torch.Tensor) and a.device.type != self.backend.device_type]
+        if foreign:
+            return self._refuse(key, "capture_failed", error=f"arguments {foreign} are not on the backend's device")
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            # Replay would hand back outputs detached from the caller's autograd graph.
+            return self._refuse(key, "capture_failed", error="autograd is recording; capture under no_grad")
+
+        start = time.perf_counter()
+        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        saved = {i: t.clone() for i, t in tensors.items()}
+        versions = {i: _version(t) for i, t in tensors.items()}
+        rng = (_host_rng(), self.backend.device_rng_get())
+        try:
+            probe_out = self.fn(*args)
+            host_changed = not _host_rng_equal(rng[0], _host_rng())
+            device_changed = not torch.equal(rng[1], self.backend.device_rng_get())
+            _flatten(probe_out)
+        except Exception as exc:
+            self._restore(rng, tensors, saved, _mutated(tensors, saved, versions) | set(self.aliased))
+            return self._refuse(key, "capture_failed", error=repr(exc))
+        del probe_out
+        mutated = _mutated(tensors, saved, versions)
+        self._restore(rng, tensors, saved, mutated | set(self.aliased))
+        if host_changed:
+            return self._refuse(key, "host_randomness", permanent=True)
+
+        static_args = list(args)
+        stages: list[_Stage] = []
+        try:
+            for i, t in tensors.items():
+                if i not in self.aliased:
+                    static_args[i], stage = _staging_buffer(i, t)
+                    stage.load(t)
+                    stages.append(stage)
+            # Staging buffers are reloaded before every replay, so only aliased buffers need restoring.
+            static_saved = {i: saved[i] for i in self.aliased}
+            static_tensors = {i: static_args[i] for i in self.aliased}
+            with self.backend.side_stream():
+                for _ in range(_WARMUP):
+                    self.fn(*static_args)
+                    self._restore(rng, static_tensors, static_saved, static_tensors)
+            if self.pool is None:
+                self.pool = self.backend.new_pool()
+            replay, outputs, graph_bytes = self.backend.capture(self.fn, static_args, self.pool)
+            self._restore(rng, static_tensors, static_saved, static_tensors)
+            static_outputs, rebuild = _flatten(outputs)
+        except Exception as exc:
+            try:
+                self._restore(rng, tensors, saved, set(self.aliased))
+            except Exception as again:  # a broken capture can leave the stream unusable
+                log.error("%s: could not restore state after failed capture: %r", self.name, again)
+            return self._refuse(key, "capture_failed", error=repr(exc))
+
+        staged = tuple(st.index for st in stages)
+        owned = {_storage_ptr(args[i]) for i in self.aliased} - {0}
+        report = ClassReport(
+            key, True, effect="device_rng" if device_changed else "pure",
+            capture_seconds=time.perf_counter() - start, graph_bytes=graph_bytes,
+            staging_bytes=sum(static_args[i].untyped_storage().nbytes() for i in staged),
+            aliased_ptrs={i: args[i].data_ptr() for i in self.aliased},
+            copy_back=tuple(sorted(i for i in mutated if i in staged)),
+        )
+        keep = tuple(o is not None and _storage_ptr(o) in owned for o in static_outputs)
+        self._graphs[key] = _Graph(report, replay, static_args, tuple(stages), static_outputs, rebuild, keep)
+        self.classes[key] = report
+        self._refused.pop(key, None)
+        self.counters.captures += 1
+        log.info("%s: captured class in %.3fs (%s, %d graph bytes)", self.name,
+                 report.capture_seconds, report.effect, graph_bytes)
+        return report
+
+    def invalidate(self, key: Signature | None = None) -> None:
+        """Drop one captured class (or all); its calls then run eager as ``invalidated``."""
+        for k in list(self._graphs) if key is None else [key]:
+            if k in self._graphs:
+                self._drop(k, "invalidated by caller")
+
+    # -- internals --------------------------------------------------------------
+
+    def _eager(self, reason: str, key: Signature | None, args: Sequence[object]) -> Any:
+        self.counters.eager += 1
+        self.counters.rejections[reason] += 1
+        self._log_once(reason, key, "")
+        return self.fn(*args)
+
+    def _refuse(self, key: Signature | None, reason: str, *, permanent: bool = False,
+                error: str | None = None) -> ClassReport:
+        if key is not None and (permanent or self._refused.get(key) != "host_randomness"):
+            self._refused[key] = reason
+        self._log_once(reason, key, f" at capture: {error}" if error else " at capture")
+        return ClassReport(key, False, reason, error=error)
+
+    def _drop(self, key: Signature, why: str) -> None:
+        del self._graphs[key]
+        self.classes.pop(key, None)
+        self._refused[key] = "invalidated"
+        self.counters.invalidations += 1
+        log.warning("%s: class invalidated (%s): %s", self.name, why, _short(key))
+
+    def _log_once(self, reason: str, key: Signature | None, detail: str) -> None:
+        if (reason, key) not in self._logged:
+            self._logged.add((reason, key))
+            log.warning("%s: eager (%s)%s: %s", self.name, reason, detail, _short(key))
+
+    def _restore(self, rng: tuple, tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],
+                 which: Any) -> None:
+        _host_rng_set(rng[0])
+        self.backend.device_rng_set(rng[1])
+        for i in which:
+            tensors[i].copy_(saved[i])
+
+
+def _mutated(tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],
+             versions: dict[int, int | None]) -> set[int]:
+    return {i for i, t in tensors.items()
+            if (versions[i] is not None and _version(t) != versions[i]) or not _bits_equal(t, saved[i])}
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter; fall back to comparing bits
+        return None
+
+
+def _ambient() -> tuple:
+    # Settings that change eager's kernels or numerics; a capture is valid only under its own.
+    b = torch.backends
+    return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"),
+            _setting(torch.get_float32_matmul_precision), _setting(lambda: b.cuda.matmul.allow_tf32),
+            _setting(lambda: b.cuda.matmul.allow_fp16_reduced_precision_reduction),
+            _setting(lambda: b.cuda.matmul.allow_bf16_reduced_precision_reduction),
+            _setting(lambda: b.cudnn.allow_tf32), b.cudnn.deterministic, b.cudnn.benchmark,
+            torch.are_deterministic_algorithms_enabled())
+
+
+def _setting(read: Callable[[], object]) -> object:
+    # Some torch versions refuse the legacy TF32 flags once the fp32_precision API was used.
+    try:
+        return read()
+    except Exception:
+        return "unreadable"
+
+
+def _short(key: Signature | None) -> str:
+    if key is None:
+        return "<unkeyable>"
+    return ", ".join(str(p[0]) if p and isinstance(p[0], tuple) else str(p) for p in key[1:])

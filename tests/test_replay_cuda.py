@@ -1,0 +1,221 @@
+"""GPU tests of ExactShapeReplay through real CUDA graphs (skipped without CUDA).
+
+Each test prints one summary line starting with ``[replay-cuda]`` (run with ``-s``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadence_fx.determinism import envelope, sha256_tensors
+from cadence_fx.replay import CudaGraphBackend, ExactShapeReplay
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CALLS = 20
+B, T, D = 2, 64, 256
+
+
+@pytest.fixture(autouse=True)
+def pinned():
+    with envelope() as applied:
+        yield applied
+    torch.cuda.synchronize()
+
+
+def dev():
+    return torch.device("cuda")
+
+
+def inputs(n, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(B, n, D, device="cuda", generator=g)
+
+
+def weights(seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(D, 4 * D, device="cuda", generator=g) / D**0.5,
+            torch.randn(4 * D, D, device="cuda", generator=g) / (4 * D) ** 0.5)
+
+
+def partition(cache, x, w1, w2, pos):
+    """Matmuls and elementwise ops, with an in-place write into the aliased cache."""
+    h = torch.nn.functional.gelu(x @ w1)
+    y = torch.sigmoid(h @ w2) * x + x.mean(-1, keepdim=True)
+    cache.narrow(1, pos, x.shape[1]).copy_(y)
+    ctx = cache.narrow(1, 0, pos + x.shape[1])
+    return y, torch.softmax(ctx @ ctx.transpose(1, 2), -1).sum(1), ctx
+
+
+def writeback(cache, x, w1, w2):
+    cache.narrow(1, 0, x.shape[1]).copy_(torch.relu(x @ w1) @ w2)
+    return cache.sum(1)
+
+
+def equal_all(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_deterministic_partition_bit_exact():
+    w1, w2 = weights()
+    cache, ref_cache = torch.zeros(B, T, D, device=dev()), torch.zeros(B, T, D, device=dev())
+    e = ExactShapeReplay(partition, name="partition", aliased=(0,))
+    report = e.capture(cache, inputs(16, 0), w1, w2, 8)
+    assert report.admitted and report.effect == "pure", report
+    assert torch.count_nonzero(cache) == 0  # warm-up writes were undone
+    exact = 0
+    for i in range(CALLS):
+        x = inputs(16, i + 1)
+        out = e(cache, x, w1, w2, 8)
+        ref = partition(ref_cache, x, w1, w2, 8)
+        assert equal_all(out, ref) and torch.equal(cache, ref_cache), f"call {i}"
+        assert out[2].data_ptr() == cache.data_ptr()  # view of the aliased buffer, not a copy
+        exact += 1
+    assert e.counters.replays == CALLS and e.counters.eager == 0
+    print(f"[replay-cuda] (a) deterministic partition: {exact}/{CALLS} calls bit-exact "
+          f"(3 outputs + aliased buffer), replays={e.counters.replays}, "
+          f"capture={report.capture_seconds:.3f}s, graph_bytes={report.graph_bytes}, "
+          f"staging_bytes={report.staging_bytes}")
+
+
+def noisy(x, w1, w2):
+    """Device randomness drawn between other kernels."""
+    h = x @ w1
+    n = torch.rand(h.shape, device=h.device)
+    h = torch.tanh(h) + 0.1 * n
+    m = torch.randn_like(x)
+    return h @ w2 + m, (n * m.mean()).sum(-1)
+
+
+def test_b_device_randomness_replays_the_eager_stream():
+    w1, w2 = weights()
+    e = ExactShapeReplay(noisy, name="noisy")
+    xs = [inputs(16, i) for i in range(CALLS)]
+    torch.manual_seed(1)
+    before = torch.cuda.get_rng_state()
+    report = e.capture(xs[0], w1, w2)
+    assert report.admitted and report.effect == "device_rng", report
+    assert torch.equal(before, torch.cuda.get_rng_state())  # probe, warm-up and capture invisible
+
+    def stream(call):
+        torch.manual_seed(1234)
+        outs = []
+        for x in xs:
+            outs.extend(call(x, w1, w2))
+            outs.append(torch.rand(3, device=dev()))  # draws outside the wrapped callable too
+        torch.cuda.synchronize()
+        return sha256_tensors(outs), torch.cuda.get_rng_state(), outs
+
+    eager_digest, eager_state, eager_outs = stream(noisy)
+    replay_digest, replay_state, replay_outs = stream(e)
+    same_calls = sum(equal_all(eager_outs[3 * i: 3 * i + 3], replay_outs[3 * i: 3 * i + 3]) for i in range(CALLS))
+    assert same_calls == CALLS
+    assert eager_digest == replay_digest and torch.equal(eager_state, replay_state)
+    assert e.counters.replays == CALLS and e.counters.eager == 0
+    assert not equal_all(eager_outs[0:2], eager_outs[3:5])  # calls did draw fresh numbers
+    print(f"[replay-cuda] (b) device RNG: {same_calls}/{CALLS} calls identical, stream sha256 "
+          f"{replay_digest[:16]} equal, generator state after streams equal, replays={e.counters.replays}")
+
+
+def host_noisy(x, w1, w2):
+    n = torch.rand(x.shape)                              # CPU generator: host randomness
+    k = int(torch.randint(1, 4, (1,)))
+    return (x + n.to(x.device)) @ w1 @ w2 * k
+
+
+def test_c_host_randomness_rejected_and_eager_equal():
+    w1, w2 = weights()
+    e = ExactShapeReplay(host_noisy, name="host_noisy")
+    x = inputs(16, 0)
+    cpu_state = torch.get_rng_state()
+    report = e.capture(x, w1, w2)
+    assert not report.admitted and report.reason == "host_randomness"
+    assert torch.equal(cpu_state, torch.get_rng_state())
+    for i in range(CALLS):
+        torch.manual_seed(i)
+        out = e(x, w1, w2)
+        torch.manual_seed(i)
+        assert torch.equal(out, host_noisy(x, w1, w2)), f"call {i}"
+    assert e.counters.rejections["host_randomness"] == CALLS and e.counters.replays == 0
+    assert e.classes == {}
+    print(f"[replay-cuda] (c) host randomness: rejected at capture, "
+          f"{e.counters.rejections['host_randomness']}/{CALLS} calls eager (reason host_randomness), "
+          f"all equal to eager")
+
+
+def test_d_pointer_drift_invalidates_one_class_only():
+    w1, w2 = weights()
+    cache_a, cache_b = torch.zeros(B, T, D, device=dev()), torch.zeros(B, 2 * T, D, device=dev())
+    e = ExactShapeReplay(writeback, name="writeback", aliased=(0,))
+    assert e.capture(cache_a, inputs(8, 0), w1, w2).admitted
+    assert e.capture(cache_b, inputs(8, 0), w1, w2).admitted
+    moved = torch.zeros_like(cache_a)
+    for i in range(CALLS):
+        x = inputs(8, i)
+        target = moved if i == CALLS // 2 else cache_a
+        ref_a, ref_b = target.clone(), cache_b.clone()
+        assert torch.equal(e(target, x, w1, w2), writeback(ref_a, x, w1, w2)) and torch.equal(target, ref_a)
+        assert torch.equal(e(cache_b, x, w1, w2), writeback(ref_b, x, w1, w2)) and torch.equal(cache_b, ref_b)
+    c = e.counters
+    assert c.invalidations == 1 and c.rejections["pointer_drift"] == 1
+    assert c.rejections["invalidated"] == CALLS - CALLS // 2 - 1
+    assert c.replays == CALLS // 2 + CALLS  # class A until the drift, class B throughout
+    assert len(e.classes) == 1
+    print(f"[replay-cuda] (d) pointer drift: 1 invalidation at call {CALLS // 2}, class B replayed "
+          f"{CALLS}/{CALLS}, class A eager afterwards ({c.rejections['invalidated']} invalidated misses), "
+          f"all outputs and buffers equal to eager")
+
+
+def test_e_out_of_catalog_signature_falls_back():
+    w1, w2 = weights()
+    cache, ref_cache = torch.zeros(B, T, D, device=dev()), torch.zeros(B, T, D, device=dev())
+    e = ExactShapeReplay(partition, name="partition", aliased=(0,))
+    assert e.capture(cache, inputs(16, 0), w1, w2, 8).admitted
+    for i in range(CALLS):
+        n = 16 if i % 2 == 0 else 12                    # 12: never captured
+        x = inputs(n, i)
+        assert equal_all(e(cache, x, w1, w2, 8), partition(ref_cache, x, w1, w2, 8))
+        assert torch.equal(cache, ref_cache)
+    c = e.counters
+    assert c.rejections["signature_miss"] == CALLS // 2 and c.replays == CALLS // 2
+    assert c.invalidations == 0 and len(e.classes) == 1
+    print(f"[replay-cuda] (e) out-of-catalog: {c.rejections['signature_miss']} misses eager, "
+          f"captured class replayed {c.replays}/{CALLS // 2} interleaved, all bit-exact")
+
+
+def test_f_capture_failure_is_rejected_without_crashing():
+    def syncing(x, w1, w2):
+        scale = float(x.abs().max())                    # host sync: illegal while capturing
+        return (x @ w1 @ w2) / scale
+
+    w1, w2 = weights()
+    x = inputs(16, 0)
+    e = ExactShapeReplay(syncing, name="syncing")
+    report = e.capture(x, w1, w2)
+    assert not report.admitted and report.reason == "capture_failed"
+    for i in range(3):
+        x = inputs(16, i)
+        assert torch.equal(e(x, w1, w2), syncing(x, w1, w2))
+    # The process stays usable for graphs after the failed capture.
+    ok = ExactShapeReplay(writeback, name="after_failure", aliased=(0,))
+    assert ok.capture(torch.zeros(B, T, D, device=dev()), x, w1, w2).admitted
+    print(f"[replay-cuda] (f) capture failure: rejected as capture_failed ({report.error[:60]}...), "
+          f"eager calls equal, later captures still work")
+
+
+def test_g_classes_share_one_pool_and_report_memory():
+    w1, w2 = weights()
+    cache = torch.zeros(B, T, D, device=dev())
+    e = ExactShapeReplay(partition, name="partition", aliased=(0,))
+    reports = [e.capture(cache, inputs(n, 0), w1, w2, 0) for n in (8, 16, 32)]
+    assert all(r.admitted for r in reports) and e.pool is not None
+    shared = ExactShapeReplay(writeback, name="shared", aliased=(0,), pool=e.pool)
+    assert shared.capture(cache, inputs(8, 0), w1, w2).admitted and shared.pool is e.pool
+    assert isinstance(e.backend, CudaGraphBackend)
+    print("[replay-cuda] (g) shared pool: graph_bytes per class "
+          + ", ".join(f"{r.graph_bytes}" for r in reports)
+          + f"; capture seconds " + ", ".join(f"{r.capture_seconds:.3f}" for r in reports))
