@@ -43,6 +43,10 @@ def audit(auditor: Auditor, region: str, what: str, actual: torch.Tensor, expect
 
 def auditor_node(gm, ctx):
     """A ``get_attr`` node for the program's auditor (FX can only reference objects through attributes)."""
+    import warnings
+
     if not hasattr(gm, "_cf_auditor"):
         gm._cf_auditor = ctx.auditor
-    return gm.graph.get_attr("_cf_auditor")
+    with warnings.catch_warnings():  # FX warns for attributes that are not tensors or modules
+        warnings.simplefilter("ignore")
+        return gm.graph.get_attr("_cf_auditor")

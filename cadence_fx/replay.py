@@ -167,7 +167,7 @@ class ReplayCounters:
 
     replays: int = 0
     eager: int = 0
-    rejections: Counter = field(default_factory=Counter)
+    rejections: Counter[str] = field(default_factory=Counter)
     invalidations: int = 0
     captures: int = 0
 
@@ -388,7 +388,7 @@ class ExactShapeReplay:
             _flatten(probe_out)
         except Exception as exc:
             self._restore(rng, tensors, saved, _mutated(tensors, saved, versions) | set(self.aliased))
-            return self._refuse(key, "capture_failed", error=repr(exc))
+            return self._refuse(key, "capture_failed", error=_describe(exc))
         del probe_out
         mutated = _mutated(tensors, saved, versions)
         self._restore(rng, tensors, saved, mutated | set(self.aliased))
@@ -420,7 +420,7 @@ class ExactShapeReplay:
                 self._restore(rng, tensors, saved, set(self.aliased))
             except Exception as again:  # a broken capture can leave the stream unusable
                 log.error("%s: could not restore state after failed capture: %r", self.name, again)
-            return self._refuse(key, "capture_failed", error=repr(exc))
+            return self._refuse(key, "capture_failed", error=_describe(exc))
 
         staged = tuple(st.index for st in stages)
         owned = {_storage_ptr(args[i]) for i in self.aliased} - {0}
@@ -479,6 +479,12 @@ class ExactShapeReplay:
         self.backend.device_rng_set(rng[1])
         for i in which:
             tensors[i].copy_(saved[i])
+
+
+def _describe(exc: BaseException) -> str:
+    # CUDA capture errors surface at capture_end, masking the call that broke the capture.
+    cause = exc.__cause__ or exc.__context__
+    return repr(exc) + (f" (while handling {cause!r})" if cause is not None else "")
 
 
 def _mutated(tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],

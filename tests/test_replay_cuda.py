@@ -121,6 +121,27 @@ def test_b_device_randomness_replays_the_eager_stream():
           f"{replay_digest[:16]} equal, generator state after streams equal, replays={e.counters.replays}")
 
 
+def test_b2_device_randomness_with_interleaved_misses():
+    w1, w2 = weights()
+    e = ExactShapeReplay(noisy, name="noisy")
+    assert e.capture(inputs(16, 0), w1, w2).effect == "device_rng"
+    xs = [inputs(16 if i % 3 else 12, i) for i in range(CALLS)]  # every third call misses
+
+    def stream(call):
+        torch.manual_seed(99)
+        outs = [t for x in xs for t in call(x, w1, w2)]
+        return sha256_tensors(outs), torch.cuda.get_rng_state()
+
+    eager_digest, eager_state = stream(noisy)
+    replay_digest, replay_state = stream(e)
+    assert eager_digest == replay_digest and torch.equal(eager_state, replay_state)
+    c = e.counters
+    assert c.replays + c.rejections["signature_miss"] == CALLS and c.rejections["signature_miss"] == 7
+    print(f"[replay-cuda] (b2) device RNG, {c.replays} replays interleaved with "
+          f"{c.rejections['signature_miss']} eager misses: stream sha256 {replay_digest[:16]} equal, "
+          f"generator state equal")
+
+
 def host_noisy(x, w1, w2):
     n = torch.rand(x.shape)                              # CPU generator: host randomness
     k = int(torch.randint(1, 4, (1,)))

@@ -14,8 +14,6 @@ from cadence_fx.determinism import (NotReproducibleError, check_reproducible, en
                                     pin_envelope, sha256_tensors)
 from cadence_fx.replay import CudaGraphBackend, ExactShapeReplay, FakeBackend
 
-np = pytest.importorskip("numpy")
-
 
 def affine(x, w, b):
     return torch.tanh(x @ w + b), (x * 2).sum(-1)
@@ -225,13 +223,13 @@ def test_explicit_invalidate():
 
 # -- effects ---------------------------------------------------------------------------------
 
-def rng_snapshot(fake):
-    return (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(),
-            fake.device_rng_get())
-
-
 def test_probe_and_capture_are_invisible():
+    np = pytest.importorskip("numpy")
     fake = FakeBackend(seed=7)
+
+    def rng_snapshot(fake):
+        return (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy(),
+                fake.device_rng_get())
 
     def fn(cache, x):
         noise = torch.rand(x.shape, generator=fake.generator)
@@ -270,9 +268,33 @@ def test_host_randomness_is_rejected_for_good():
     assert e.capture(x).reason == "host_randomness" and e.classes == {}
 
 
-def test_python_random_counts_as_host_randomness():
+def test_python_and_numpy_random_count_as_host_randomness():
     e = engine(lambda x: x * random.random())
     assert e.capture(torch.ones(2)).reason == "host_randomness"
+    np = pytest.importorskip("numpy")
+    e = engine(lambda x: x * float(np.random.rand()))
+    assert e.capture(torch.ones(2)).reason == "host_randomness"
+
+
+def test_parameters_are_keyed_like_tensors():
+    lin = torch.nn.Linear(8, 8)
+
+    def fn(x, w, b):
+        return torch.nn.functional.linear(x, w, b)
+
+    e = engine(fn)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert e.capture(x, lin.weight, lin.bias).admitted
+        assert torch.equal(e(x, lin.weight, lin.bias), fn(x, lin.weight, lin.bias))
+    assert e.counters.replays == 1
+
+
+def test_capture_refuses_while_autograd_records():
+    lin = torch.nn.Linear(4, 4)
+    e = engine(lambda x, w: x @ w)
+    report = e.capture(torch.randn(2, 4), lin.weight)
+    assert report.reason == "capture_failed" and "autograd" in report.error
 
 
 def test_device_randomness_is_admitted_and_replay_draws_what_eager_draws():

@@ -1,0 +1,58 @@
+"""Shared test helpers: run the unmodified and the optimized program side by side."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Sequence
+
+import torch
+
+
+def sha256(tensors: Sequence[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(str((tuple(t.shape), t.dtype)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def program_for(eps) -> Callable:
+    """Dispatch calls to the unmodified exported program of the matching static signature."""
+    table = {}
+    for ep in eps:
+        phs = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+        key = tuple(tuple(phs[n].meta["val"].shape) for n in ep.graph_signature.user_inputs)
+        table[key] = ep.module()
+
+    def call(*args):
+        return table[tuple(tuple(a.shape) for a in args)](*args)
+
+    return call
+
+
+def run_streams(eps, prog, make_inputs, state, region_out: dict[int, int], calls: int, *, restore_at=None):
+    """Run ``calls`` steps of the reference and the optimized program from the same state.
+
+    ``make_inputs(k, state)`` builds call k's inputs; ``region_out`` maps input index -> output index
+    of each state region. Returns (reference outputs per call, optimized outputs per call, data pointers).
+    Outputs are cloned immediately, as a consumer would read them.
+    """
+    ref_call = program_for(eps)
+    ref_state = [s.clone() for s in state]
+    opt_state = list(state)
+    refs, opts, ptrs = [], [], []
+    for k in range(calls):
+        if restore_at is not None and k == restore_at:
+            snap = [s.clone() for s in ref_state]  # a turn boundary: restore both from a snapshot
+            ref_state, opt_state = [s.clone() for s in snap], [s.clone() for s in snap]
+        r = ref_call(*make_inputs(k, ref_state))
+        r = [t.clone() for t in r]
+        o = prog(*make_inputs(k, opt_state))
+        ptrs.append([o[j].data_ptr() for j in region_out.values()])
+        opts.append([t.clone() for t in o])
+        refs.append(r)
+        for slot, (i, j) in enumerate(region_out.items()):
+            ref_state[slot] = r[j]
+            opt_state[slot] = o[j]
+    return refs, opts, ptrs

@@ -1,0 +1,142 @@
+"""The demo decoder end to end on CPU: bit-exact streams, stable addresses, hoisting, verify mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cadence_fx as cf
+from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.graph_utils import overload_name
+from tests.helpers import run_streams, sha256
+
+REGION_OUT = {1: 1, 2: 2, 3: 3}  # input index -> output index of each state region
+
+
+def _setup(cfg: DemoConfig, **kw):
+    torch.manual_seed(0)
+    model = StreamingDecoder(cfg).eval()
+    contract = demo_contract(cfg, **kw)
+    eps = export_catalog(model, contract)
+    return model, contract, eps
+
+
+def _inputs(cfg: DemoConfig, seed: int = 7):
+    def make(k, state):
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        tok = torch.randn(1, cfg.chunk, cfg.dim, generator=g)
+        noise = torch.randn(1, cfg.chunk, cfg.dim, generator=g)
+        return (tok, state[0], state[1], state[2], noise)
+    return make
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_stream_bit_exact_and_addresses_stable(verify):
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract, verify=verify)
+    refs, opts, ptrs = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 10)
+    for k, (r, o) in enumerate(zip(refs, opts)):
+        for j, (a, b) in enumerate(zip(r, o)):
+            assert torch.equal(a, b), f"call {k} output {j} differs"
+    assert sha256([t for r in refs for t in r]) == sha256([t for o in opts for t in o])
+    # the first call adopts the prompt state (a foreign tensor); every later call feeds back in place
+    assert all(p == ptrs[0] for p in ptrs), "a region moved"
+    assert ptrs[0] == [prog.region_pointer(n) for n in ("encoder_kv", "estimator_kv", "conv")]
+    assert prog.stats["state_adopted"] == 3 and prog.stats["state_in_place"] == 3 * 9
+    # at least two retention events happened in the stream
+    extents = [o[1].shape[1] for o in opts]
+    assert extents.count(cfg.head + cfg.tail) >= 2
+    if verify:
+        assert prog.auditor.checks >= 10 * 3
+
+
+def test_carry_append_and_compaction_happen_in_place():
+    cfg = DemoConfig()
+    _model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract)
+    assert prog.stats["passes"]["carry_writeback"] == len(eps)  # the encoder's cat([cache, new]) each class
+    for gm in prog.graph_modules():
+        code = "\n".join(sub.code for sub in gm.modules() if hasattr(sub, "code"))
+        # no cat of the encoder cache input remains: history is never copied, only new frames
+        assert "cat.default([enc_kv" not in code.replace(" ", "")
+
+
+def test_restore_from_snapshot_mid_stream_is_bit_exact():
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract)
+    refs, opts, ptrs = run_streams(eps, prog, _inputs(cfg, 3), list(model.initial_state()), REGION_OUT, 9,
+                                   restore_at=5)
+    assert sha256([t for r in refs for t in r]) == sha256([t for o in opts for t in o])
+    assert all(p == ptrs[0] for p in ptrs)
+    assert prog.stats["state_adopted"] == 6  # prompt + snapshot, three regions each
+
+
+def test_hoisting_removes_host_table_and_keeps_bits():
+    # float64 on the host then a conversion: the per-call copy changes something visible on CPU
+    cfg = DemoConfig(freq_dtype=torch.float64)
+    model, contract, eps = _setup(cfg)
+    before = sum(1 for ep in eps for n in ep.graph.nodes if overload_name(n) in ("arange", "_to_copy", "to"))
+    assert before > 0
+    prog = cf.optimize(eps, contract)
+    assert prog.stats["passes"]["hoist_constants"] > 0
+    for gm in prog.graph_modules():
+        for sub in gm.modules():
+            if hasattr(sub, "graph"):
+                assert not [n for n in sub.graph.nodes if overload_name(n) == "arange"]
+    refs, opts, _ = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 5)
+    assert all(torch.equal(a, b) for r, o in zip(refs, opts) for a, b in zip(r, o))
+
+
+def test_verify_mode_names_region_and_call_on_a_broken_retention(monkeypatch):
+    import cadence_fx.passes.retention_in_place as rip
+
+    real = rip._parts
+
+    def broken(value, site, growth):
+        parts = real(value, site, growth)
+        for p in parts[1:]:
+            p.src_offset = p.dst_offset  # pretend the tail is already in place: the stale-tail bug
+        return parts
+
+    monkeypatch.setattr(rip, "_parts", broken)
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract, verify=True)
+    with pytest.raises(cf.RetentionMismatch, match=r"region 'encoder_kv', call 2, retention: first differing"):
+        run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 6)
+
+
+def test_unwrapped_program_is_also_exact():
+    cfg = DemoConfig(est_order="new_old", enc_order="old_new")
+    model, contract, eps = _setup(cfg, wrap=())
+    prog = cf.optimize(eps, contract)
+    assert "partition" not in prog.stats["passes"]
+    refs, opts, _ = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 6)
+    assert all(torch.equal(a, b) for r, o in zip(refs, opts) for a, b in zip(r, o))
+
+
+def test_plan_reports_catalog_and_over_reservation():
+    cfg = DemoConfig()
+    _model, contract, eps = _setup(cfg)
+    p = cf.plan(eps, contract)
+    est = p.region("estimator_kv")
+    assert list(est.extents) == [8, 12, 14]
+    assert est.attended == 14 and est.envelope == 18
+    assert est.static_shape == (cfg.slots, cfg.capacity, 2 * cfg.dim)
+    assert est.demand_shape == (cfg.steps, 18, 2 * cfg.dim)
+    assert est.over_reservation == pytest.approx((5 * 64) / (3 * 18))
+    assert [c["encoder_kv"] for c in p.classes] == [8, 12, 14]
+    text = str(p)
+    assert "over-reserved" in text and "class 2: encoder_kv=14" in text
+
+
+def test_catalog_miss_is_a_clear_error():
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract)
+    enc, est, conv = model.initial_state()
+    bad = torch.zeros(1, 9, 2 * cfg.dim)
+    with pytest.raises(cf.CatalogMiss, match="no exported program covers"):
+        prog(torch.zeros(1, cfg.chunk, cfg.dim), bad, est, conv, torch.zeros(1, cfg.chunk, cfg.dim))
