@@ -88,10 +88,10 @@ class Plan:
 
     def __str__(self) -> str:
         lines = ["cadence_fx plan", ""]
-        hdr = f"{'region':<22}{'order':<9}{'retention':<22}{'attended':>9}{'envelope':>9}{'stored':>8}{'MiB':>9}"
+        hdr = f"{'region':<22}{'order':<9}{'retention':<30}{'attended':>9}{'envelope':>9}{'stored':>8}{'MiB':>9}"
         lines += [hdr, "-" * len(hdr)]
         for r in self.regions:
-            lines.append(f"{r.name:<22}{r.order:<9}{r.retention:<22}{r.attended:>9}{r.envelope:>9}"
+            lines.append(f"{r.name:<22}{r.order:<9}{r.retention:<30}{r.attended:>9}{r.envelope:>9}"
                          f"{r.stored:>8}{r.stored_bytes / 2**20:>9.2f}")
         lines += ["", "static envelope the program allocates vs. contract demand:"]
         for r in self.regions:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Sequence
@@ -54,8 +53,9 @@ class OptimizedProgram:
     """
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
-                 replay: Replay | Any) -> None:
+                 replay: Replay | Any, state: bool = True) -> None:
         self.contract = contract
+        self.state_rule = state
         self.plan: Plan = make_plan(exported, contract)
         self.auditor = Auditor() if verify else None
         self._capturing = False
@@ -73,9 +73,10 @@ class OptimizedProgram:
         for ep in exported:
             sites = bind_regions(ep, contract)
             ctx = PassContext(contract=contract, plan=self.plan, sites=sites, region_buffers=self.region_buffers,
-                              verify=verify, auditor=self.auditor,
+                              verify=verify and state, auditor=self.auditor, state_rule=state,
                               make_runner=self._make_runner if self._backend is not None else None)
-            gm = run_pipeline(copy.deepcopy(ep.module()), ctx)
+            # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
+            gm = run_pipeline(ep.module(), ctx)
             key = _key_of_program(ep)
             if key in self._programs:
                 raise ContractError(f"two exported programs share the input signature {key}")
@@ -89,7 +90,7 @@ class OptimizedProgram:
         if kwargs:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
         gm, sites, _ctx = self._select(flat)
-        for name, site in sites.items():
+        for name, site in (sites.items() if self.state_rule else ()):
             i = self._region_index[name]
             flat[i] = self._adopt(name, flat[i], site)
         self.stats["calls"] += 1
@@ -174,7 +175,7 @@ class OptimizedProgram:
                                 iter(self.region_buffers.values())).device
                             ex = torch.zeros(want[1], dtype=want[2], device=device)
                         flat.append(ex)
-                    for name, site in sites.items():
+                    for name, site in (sites.items() if self.state_rule else ()):
                         flat[self._region_index[name]] = self.region_buffers[name][: _numel(site.shape)].view(site.shape)
                     self(*flat)
             finally:
@@ -208,7 +209,7 @@ class OptimizedProgram:
 
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
-             verify: bool = False, replay: Replay | Any = "auto") -> OptimizedProgram:
+             verify: bool = False, replay: Replay | Any = "auto", state: bool = True) -> OptimizedProgram:
     """Rewrite a streaming step under ``contract`` and return a drop-in replacement for ``ep.module()``.
 
     Args:
@@ -219,11 +220,13 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
             :class:`cadence_fx.audit.RetentionMismatch` on the first differing element.
         replay: ``"auto"`` replays wrapped partitions through CUDA graphs when CUDA is available
             (eager otherwise), ``"off"`` never replays, or a replay backend object.
+        state: apply the state rule (contract-owned region buffers, in-place writeback). Off, the
+            regions stay as the program allocates them: the single-rule cells of the factorial.
     """
     eps = [exported] if isinstance(exported, ExportedProgram) else list(exported)
     if not eps:
         raise ContractError("optimize: no exported program given")
-    return OptimizedProgram(eps, contract, verify=verify, replay=replay)
+    return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state)
 
 
 def _pick_backend(replay: Replay | Any) -> Any:

@@ -38,6 +38,7 @@ class PassContext:
     sites: dict[str, RegionSite]
     region_buffers: dict[str, torch.Tensor]
     verify: bool = False
+    state_rule: bool = True  # off: regions stay as the program allocates them (the paper's R cells)
     auditor: Any = None
     make_runner: Callable[..., Any] | None = None
     regions: dict[str, RegionState] = field(default_factory=dict)

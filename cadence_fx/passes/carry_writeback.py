@@ -24,6 +24,8 @@ _AXIS_PRESERVING = {"alias", "detach", "contiguous", "clone"}
 
 def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Bind every region to its buffer; rewrite the region's append-concatenation into an in-place write."""
+    if not ctx.state_rule:
+        return gm
     graph = gm.graph
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     changed = 0
@@ -68,6 +70,11 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 offset += length
             carry = flat_view(graph, buf, 0, cat_shape)
         carry.meta["val"] = cat.meta.get("val")
+        # the writes belong to the same wrapped call as the cat they replace (one partition, not three)
+        node = buf
+        while node is not cat:
+            node.meta.setdefault("nn_module_stack", cat.meta.get("nn_module_stack", {}))
+            node = node.next
         cat.replace_all_uses_with(carry)
         if ctx.verify:  # the original concatenation stays in the graph as the audit's reference
             with graph.inserting_before(cat.next):

@@ -34,6 +34,8 @@ class _Part:
 
 def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write each region's outgoing state into its buffer (compacting in place); check the trim policy."""
+    if not ctx.state_rule:
+        return gm
     graph = gm.graph
     out = output_node(graph)
     outs = flat_outputs(graph)
@@ -103,6 +105,8 @@ def _parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
     slices = _as_slices(value, site.axis)
     want = ([(0, pol.head), (m - pol.tail, m)] if isinstance(pol, HeadTail) else [(m - pol.size, m)])
     want = [w for w in want if w[1] > w[0]]
+    if slices is not None:
+        slices = [sl for sl in slices if sl[3] > sl[2]]  # an empty head or tail keeps nothing
     got = None if slices is None else [(s, e) for _node, _base, s, e in slices]
     bases = {b for _n, b, _s, _e in slices} if slices else set()
     base_ok = len(bases) == 1 and (shape_of(next(iter(bases))) or [0] * (site.axis + 1))[site.axis] == m

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (once) and run the whole test suite.
+#   bash scripts/test.sh [pytest args]
+# Installs: torch (2.13.0 when none is present), this package with its test extras, and the two
+# upstream releases of the Token2Wav decoder (minicpmo==0.1.2, minicpmo-utils==1.0.7). Both ship a
+# package named `stepaudio2`, so each goes into its own folder under .upstream/ (no dependencies:
+# the decoder needs only torch, einops and scipy; their __init__ pulls in ASR/onnx code we never run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${CADENCE_FX_VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+py="$VENV/bin/python"
+"$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  "$py" -m pip install -q "torch==2.13.0"
+fi
+"$py" -m pip install -q -e ".[test]"
+UP=${CADENCE_FX_UPSTREAM:-.upstream}
+for spec in "minicpmo==0.1.2:minicpmo-0.1.2" "minicpmo-utils==1.0.7:minicpmo-utils-1.0.7"; do
+  req=${spec%%:*}; dir="$UP/${spec##*:}"
+  if [ ! -d "$dir/stepaudio2" ]; then
+    "$py" -m pip install -q --no-deps --target "$dir" "$req"
+  fi
+done
+export CADENCE_FX_UPSTREAM="$UP"
+exec "$py" -m pytest -q "$@"
