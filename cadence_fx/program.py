@@ -96,7 +96,10 @@ class OptimizedProgram:
         self.stats["calls"] += 1
         if self.auditor is not None:
             self.auditor.call += 1
-        return gm(*flat)
+        # A streaming step is inference: recording autograd history would make capture impossible
+        # and changes no value, so the optimized program never records it.
+        with torch.no_grad():
+            return gm(*flat)
 
     def _select(self, flat: Sequence[Any]):
         key = tuple(_arg_key(a) for a in flat)

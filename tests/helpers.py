@@ -31,14 +31,16 @@ def program_for(eps) -> Callable:
     return call
 
 
-def run_streams(eps, prog, make_inputs, state, region_out: dict[int, int], calls: int, *, restore_at=None):
+def run_streams(eps, prog, make_inputs, state, region_out: dict[int, int], calls: int, *, restore_at=None,
+                ref_eps=None):
     """Run ``calls`` steps of the reference and the optimized program from the same state.
 
     ``make_inputs(k, state)`` builds call k's inputs; ``region_out`` maps input index -> output index
     of each state region. Returns (reference outputs per call, optimized outputs per call, data pointers).
-    Outputs are cloned immediately, as a consumer would read them.
+    Outputs are cloned immediately, as a consumer would read them. ``ref_eps`` (exported from a copy
+    of the model) keeps the reference's module buffers apart from the optimized program's.
     """
-    ref_call = program_for(eps)
+    ref_call = program_for(ref_eps if ref_eps is not None else eps)
     ref_state = [s.clone() for s in state]
     opt_state = list(state)
     refs, opts, ptrs = [], [], []

@@ -140,3 +140,11 @@ def test_catalog_miss_is_a_clear_error():
     bad = torch.zeros(1, 9, 2 * cfg.dim)
     with pytest.raises(cf.CatalogMiss, match="no exported program covers"):
         prog(torch.zeros(1, cfg.chunk, cfg.dim), bad, est, conv, torch.zeros(1, cfg.chunk, cfg.dim))
+
+
+def test_cli_plan_prints_catalog(capsys):
+    from cadence_fx.cli import main
+
+    assert main(["plan", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "catalog: 3 signature class(es)" in out and "estimator_kv extents: [8, 12, 14]" in out

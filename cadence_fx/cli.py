@@ -1,0 +1,49 @@
+"""``cadence-fx`` command line: ``cadence-fx plan TARGET``.
+
+TARGET is ``demo`` (the demo decoder), ``token2wav`` (the released Token2Wav estimator region,
+needs the upstream package; see cadence_fx.adapters.token2wav), or ``package.module:function``
+naming a function that returns ``(exported_program_or_list, contract)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any, Sequence
+
+
+def _load(target: str) -> tuple[Any, Any]:
+    if target == "demo":
+        from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+
+        cfg = DemoConfig()
+        contract = demo_contract(cfg)
+        return export_catalog(StreamingDecoder(cfg).eval(), contract), contract
+    if target == "token2wav":
+        from cadence_fx.adapters import token2wav
+
+        return token2wav.plan_target()
+    if ":" not in target:
+        raise SystemExit(f"cadence-fx: TARGET must be 'demo', 'token2wav' or 'module:function', got {target!r}")
+    mod, fn = target.split(":", 1)
+    return getattr(importlib.import_module(mod), fn)()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="cadence-fx", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="print extents, bytes, over-reservation and the signature catalog")
+    p.add_argument("target")
+    args = ap.parse_args(argv)
+    if args.cmd == "plan":
+        from cadence_fx.plan import plan
+
+        exported, contract = _load(args.target)
+        print(plan(exported, contract))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
