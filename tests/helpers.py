@@ -26,7 +26,8 @@ def program_for(eps) -> Callable:
         table[key] = ep.module()
 
     def call(*args):
-        return table[tuple(tuple(a.shape) for a in args)](*args)
+        with torch.no_grad():  # inference, as the optimized program runs it
+            return table[tuple(tuple(a.shape) for a in args)](*args)
 
     return call
 
