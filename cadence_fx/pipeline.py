@@ -10,11 +10,13 @@ from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.lower_replay import lower_replay
 from cadence_fx.passes.partition import partition
 from cadence_fx.passes.retention_in_place import retention_in_place
+from cadence_fx.passes.shrink_workspace import shrink_workspace
 
 PIPELINE = (
     hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
     carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
+    shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     partition,            # one sub-GraphModule per wrapped invocation
     lower_replay,         # wrapped partitions -> exact-shape replay runners
 )

@@ -44,6 +44,7 @@ class PassContext:
     regions: dict[str, RegionState] = field(default_factory=dict)
     changed: dict[str, int] = field(default_factory=dict)
     runners: dict[str, Any] = field(default_factory=dict)
+    demand: dict[str, tuple] = field(default_factory=dict)  # workspace -> (stock shape, demand shape)
 
     def record(self, pass_name: str, count: int) -> None:
         self.changed[pass_name] = self.changed.get(pass_name, 0) + count
