@@ -26,6 +26,16 @@ class RegionSite:
     out_shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    live: tuple[tuple[int, int], ...] = ()  # (dim, live size) for dims with dead stock capacity
+
+    @property
+    def live_shape(self) -> tuple[int, ...]:
+        """The input shape restricted to the live extent: what the region buffer holds."""
+        return _restrict(self.shape, self.live)
+
+    @property
+    def live_out_shape(self) -> tuple[int, ...]:
+        return _restrict(self.out_shape, self.live)
 
     @property
     def extent(self) -> int:
@@ -34,6 +44,13 @@ class RegionSite:
     @property
     def out_extent(self) -> int:
         return self.out_shape[self.axis]
+
+
+def _restrict(shape: tuple[int, ...], live: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    out = list(shape)
+    for d, n in live:
+        out[d] = n
+    return tuple(out)
 
 
 def user_input_nodes(gm: GraphModule) -> list[Node]:
@@ -91,7 +108,8 @@ def bind_regions(ep: ExportedProgram, contract: Contract) -> dict[str, RegionSit
         for d in r.live:
             if not -len(shape) <= d < len(shape) or d % len(shape) == axis:
                 raise ContractError(f"{where}.live: dim {d} is out of range or is the clock axis")
-        sites[r.name] = RegionSite(r, axis, shape, out_shape, val.dtype, val.device)
+        live = tuple(sorted((d % len(shape), min(n, shape[d % len(shape)])) for d, n in r.live.items()))
+        sites[r.name] = RegionSite(r, axis, shape, out_shape, val.dtype, val.device, live)
     _check_wrap_paths(ep, contract)
     return sites
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -104,3 +105,93 @@ def cat_dim(cat: Node) -> int:
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     rank = len(shape_of(cat) or ())
     return dim % rank if rank else dim
+
+
+_SLICES = {"slice", "narrow", "select"}
+_ESCAPING = {"as_strided", "as_strided_", "set_", "resize_", "view_as_real", "view_as_complex"}
+
+
+@dataclass
+class _View:
+    dims: list[int]  # original dim of each current dim
+    start: dict[int, int]  # offset into the original dim
+    length: dict[int, int]
+
+
+def reach(roots: Sequence[Node], shape: Sequence[int]) -> tuple[list[int], list[tuple[Node, tuple]]] | None:
+    """The box of a tensor of ``shape`` that the uses of ``roots`` can touch, per dim (exclusive end).
+
+    Every use is followed through slice / narrow / select chains; any other use reaches the box
+    of the view it sees. Also returns the chain ops with their indices normalised to non-negative
+    form (so they address the same elements if the tensor is replaced by a smaller box). None
+    when a use can escape the box (``as_strided`` and friends) or an index is not a constant.
+    """
+    bounds = [0] * len(shape)
+    rewrites: list[tuple[Node, tuple]] = []
+    for root in roots:
+        view = _View(list(range(len(shape))), {d: 0 for d in range(len(shape))}, dict(enumerate(shape)))
+        if not _walk(root, view, bounds, rewrites):
+            return None
+    return bounds, rewrites
+
+
+def _walk(node: Node, view: _View, bounds: list[int], rewrites: list) -> bool:
+    """Follow every use of ``node``; widen ``bounds`` to what each can reach. False: cannot bound."""
+    for user in node.users:
+        name = overload_name(user)
+        if name in _ESCAPING:
+            return False
+        if name in _SLICES and user.args[0] is node and not user.kwargs:
+            new, args = _narrow(user, view)
+            if new is None:
+                return False
+            rewrites.append((user, args))
+            if not _walk(user, new, bounds, rewrites):
+                return False
+            continue
+        # any other use reaches (at most) the current view's box
+        for od in range(len(bounds)):
+            bounds[od] = max(bounds[od], view.start[od] + view.length[od])
+    return True
+
+
+def _narrow(user: Node, view: _View) -> tuple[_View | None, tuple]:
+    name = overload_name(user)
+    rank = len(view.dims)
+    dim = (user.args[1] if len(user.args) > 1 else 0)
+    if not isinstance(dim, int):
+        return None, ()
+    dim %= rank
+    od = view.dims[dim]
+    n = view.length[od]
+    new = _View(list(view.dims), dict(view.start), dict(view.length))
+    if name == "select":
+        i = user.args[2]
+        if not isinstance(i, int):
+            return None, ()
+        i = i + n if i < 0 else i
+        new.start[od] += i
+        new.length[od] = 1
+        new.dims.pop(dim)
+        return new, (user.args[0], dim, i)
+    if name == "narrow":
+        s, length = user.args[2], user.args[3]
+        if not isinstance(s, int) or not isinstance(length, int):
+            return None, ()
+        s = s + n if s < 0 else s
+        e = s + length
+        args = (user.args[0], dim, s, length)
+    else:
+        s = user.args[2] if len(user.args) > 2 else 0
+        e = user.args[3] if len(user.args) > 3 else n
+        step = user.args[4] if len(user.args) > 4 else 1
+        if step != 1 or not isinstance(s, (int, type(None))) or not isinstance(e, (int, type(None))):
+            return None, ()
+        s = 0 if s is None else (max(s + n, 0) if s < 0 else min(s, n))
+        e = n if e is None else (max(e + n, 0) if e < 0 else min(e, n))
+        e = max(e, s)
+        args = (user.args[0], dim, s, e)
+    new.start[od] += s
+    new.length[od] = e - s
+    return new, args
+

@@ -155,7 +155,7 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
         envelope = attended if isinstance(r.retention, Ring) else max(e + g for e in ext)
         leading = all(s == 1 for s in site.shape[: site.axis])
         stored = envelope if leading else attended
-        stored_shape = _with(site.shape, site.axis, stored, {})
+        stored_shape = _with(site.shape, site.axis, stored, r.live)
         src = _workspace_of(by_name.get(user_outs[r.output]))
         static_shape = static_bytes = demand_shape = demand_bytes = None
         static_source = None
@@ -175,7 +175,8 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
             demand_shape=demand_shape, demand_bytes=demand_bytes))
     notes = []
     if any(r.live for r in contract.regions):
-        notes.append("live dims shrink the workspace demand; the region buffer keeps the program's own input shape")
+        notes.append("live dims: the region buffer and the returned state hold only the live slots; "
+                     "the dead capacity the stock program carries is not stored")
     if any(isinstance(r.retention, HeadTail) for r in contract.regions):
         notes.append("HeadTail keeps [:head] and [-tail:] of the concatenated axis in the model's own order")
     return Plan(tuple(regions), tuple(call_classes(contract)), tuple(contract.wrap), tuple(notes))

@@ -64,6 +64,8 @@ class OptimizedProgram:
         self._pool = None
         self._backend = _pick_backend(replay)
         first_sites = bind_regions(exported[0], contract)
+        self._stock_dims = {name: {d: (n, site.shape[d]) for d, n in site.live}
+                            for name, site in first_sites.items() if site.live and state}
         self.region_buffers: dict[str, torch.Tensor] = {
             rp.name: torch.zeros(_numel(rp.stored_shape), dtype=first_sites[rp.name].dtype,
                                  device=first_sites[rp.name].device)
@@ -102,12 +104,19 @@ class OptimizedProgram:
             return gm(*flat)
 
     def _select(self, flat: Sequence[Any]):
-        key = tuple(_arg_key(a) for a in flat)
+        key = [_arg_key(a) for a in flat]
+        for name, stock in self._stock_dims.items():
+            i = self._region_index[name]
+            if key[i][0] == "T":  # a live-sized region (what this program returns) keys as the stock shape
+                shape = list(key[i][1])
+                for d, (n, full) in stock.items():
+                    if d < len(shape) and shape[d] == n:
+                        shape[d] = full
+                key[i] = ("T", tuple(shape), key[i][2])
+        key = tuple(key)
         hit = self._programs.get(key)
         if hit is not None:
             return hit
-        if len(self._programs) == 1:
-            return next(iter(self._programs.values()))
         raise CatalogMiss(f"no exported program covers input signature {key}; the catalog is "
                           f"{[c for c in self.plan.classes]} (export one program per class)")
 
@@ -118,6 +127,9 @@ class OptimizedProgram:
         if arg.data_ptr() == buf.data_ptr() and arg.is_contiguous() and arg.dtype == buf.dtype:
             self.stats["state_in_place"] += 1
             return arg
+        for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
+            if arg.shape[d] > n:
+                arg = arg.narrow(d, 0, n)
         if arg.numel() > buf.numel():
             raise ContractError(f"region {name!r}: input of shape {tuple(arg.shape)} exceeds the contract-owned "
                                 f"buffer ({buf.numel()} elements, plan extent {self.plan.region(name).stored})")
@@ -179,7 +191,8 @@ class OptimizedProgram:
                             ex = torch.zeros(want[1], dtype=want[2], device=device)
                         flat.append(ex)
                     for name, site in (sites.items() if self.state_rule else ()):
-                        flat[self._region_index[name]] = self.region_buffers[name][: _numel(site.shape)].view(site.shape)
+                        flat[self._region_index[name]] = self.region_buffers[name][: _numel(site.live_shape)].view(
+                            site.live_shape)
                     self(*flat)
             finally:
                 self._capturing = False

@@ -59,3 +59,12 @@ def run_streams(eps, prog, make_inputs, state, region_out: dict[int, int], calls
             ref_state[slot] = r[j]
             opt_state[slot] = o[j]
     return refs, opts, ptrs
+
+
+def live_view(outputs, live: dict[int, dict[int, int]]):
+    """Restrict state outputs with dead stock capacity to their live extent (output index -> {dim: n})."""
+    out = list(outputs)
+    for j, dims in live.items():
+        for d, n in dims.items():
+            out[j] = out[j].narrow(d, 0, n)
+    return out

@@ -99,3 +99,9 @@ def test_output_index_out_of_range(eps):
 def test_output_shape_mismatch(eps):
     with pytest.raises(cf.ContractError, match=r"Region 'conv'.output: output 0 has shape"):
         cf.optimize(eps, _with_region("conv", output=0))
+
+
+def test_live_extent_smaller_than_what_the_graph_reads(eps):
+    with pytest.raises(cf.ContractError, match=r"Region 'estimator_kv'.live: the graph reads 3 of the 5 positions "
+                                               r"on dim 0 of input 'est_kv', but only 2 are declared live"):
+        cf.optimize(eps, _with_region("estimator_kv", live={0: 2}))

@@ -695,7 +695,11 @@ def export_step_catalog(step: StreamingStep, state: Mapping[str, torch.Tensor],
     n = len(call_classes(contract))
     if len(fresh) < n:
         raise ValueError(f"export_step_catalog: {n} catalog classes need {n} calls of fresh inputs, got {len(fresh)}")
-    route = routed(step.flow, granularity=granularity) if isinstance(step, Token2WavStep) else contextlib.nullcontext()
+    def route() -> contextlib.AbstractContextManager:
+        if isinstance(step, Token2WavStep):
+            return routed(step.flow, granularity=granularity)
+        return contextlib.nullcontext()
+
     eps: list[ExportedProgram] = []
     seen: set[tuple] = set()
     st = {k: v.clone() for k, v in state.items()}
@@ -704,7 +708,7 @@ def export_step_catalog(step: StreamingStep, state: Mapping[str, torch.Tensor],
         key = signature(args)
         if key not in seen:
             seen.add(key)
-            with route:
+            with route():
                 eps.append(torch.export.export(step, tuple(a.clone() for a in args)))
         with torch.no_grad():
             outs = step(*args)
@@ -745,7 +749,8 @@ def run_stream(program: Callable[..., Sequence[torch.Tensor]], step: StreamingSt
     for k, f in enumerate(fresh):
         if restore and k in restore:
             st = {name: t.clone() for name, t in restore[k].items()}
-        raw = program(*step.next_args(f, st))
+        with torch.no_grad():
+            raw = program(*step.next_args(f, st))
         if on_call is not None:
             on_call(k, raw)
         outs.append(tuple(t.clone() for t in raw))

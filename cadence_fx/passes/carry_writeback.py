@@ -15,7 +15,8 @@ from torch.fx import GraphModule, Node
 
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
-from cadence_fx.graph_utils import aten, cat_dim, flat_view, is_view, numel, overload_name, register_tensor, shape_of
+from cadence_fx.graph_utils import (aten, cat_dim, flat_view, is_view, numel, overload_name, reach, register_tensor,
+                                    shape_of)
 from cadence_fx.passes import PassContext, RegionState
 
 # Views that keep the clock axis where it is or move it predictably.
@@ -35,6 +36,8 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
         attr = register_tensor(gm, f"_cf_region_{_ident(name)}_", ctx.region_buffers[name])
         state = RegionState(buffer_attr=attr, placeholder=ph)
         ctx.regions[name] = state
+        if site.live:
+            _bind_live(gm, site, ph)
         cats = _cats_on_axis(ph, site.axis)
         if not cats:
             if site.extent > 0 and not _is_ring(site):
@@ -51,7 +54,7 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
                     "order the model uses")
         direct = [c for c, pos, _ in cats if c.args[0] and c.args[0][0] is ph and cat_dim(c) == site.axis]
         leading = all(s == 1 for s in site.shape[: site.axis])
-        if region.order != "old_new" or not leading or len(direct) != 1:
+        if region.order != "old_new" or not leading or len(direct) != 1 or site.live:
             continue  # the output-side writeback (retention_in_place) still owns the region
         cat = direct[0]
         cat_shape = shape_of(cat)
@@ -138,6 +141,26 @@ def _track_axis(user: Node, src: Node, ax: int) -> int | None:
         perm = [p % rank for p in user.args[1]]
         return perm.index(ax)
     return None
+
+
+def _bind_live(gm: GraphModule, site, ph: Node) -> None:
+    """The region arrives holding only its live slots: prove the graph reads no more than that."""
+    # the unlifted module's input-shape guard knows only the stock shape; the program checks
+    # signatures itself before it adopts the live-sized region
+    for guard in [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("_guards")]:
+        gm.graph.erase_node(guard)
+    name = site.region.name
+    found = reach([ph], site.shape)
+    if found is None:
+        raise ContractError(f"Region {name!r}.live: cannot bound which positions the graph reads of input "
+                            f"{site.region.input!r} (a use escapes slicing)")
+    bounds, rewrites = found
+    for d, n in site.live:
+        if bounds[d] > n:
+            raise ContractError(f"Region {name!r}.live: the graph reads {bounds[d]} of the {site.shape[d]} "
+                                f"positions on dim {d} of input {site.region.input!r}, but only {n} are declared live")
+    for node, args in rewrites:  # negative indices would count from the live end, not the stock end
+        node.args = args
 
 
 def _is_split_like(node: Node) -> bool:

@@ -53,21 +53,24 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             value = outs[site.region.output % len(outs)]
             parts = _parts(value, site, ctx.contract.growth(site.region))
             buf = graph.get_attr(state.buffer_attr)
-            dst = flat_view(graph, buf, 0, site.out_shape)
-            inner = numel(site.shape[site.axis + 1:])
-            leading = all(s == 1 for s in site.shape[: site.axis])
+            out_shape = site.live_out_shape
+            dst = flat_view(graph, buf, 0, out_shape)
+            inner = numel(out_shape[site.axis + 1:])
+            leading = all(s == 1 for s in out_shape[: site.axis])
             staged: list[tuple[_Part, Node]] = []
             for p in parts:
-                in_place = p.src is state.placeholder and site.out_shape == site.shape
+                in_place = p.src is state.placeholder and site.out_shape == site.shape and not site.live
                 in_place |= p.base is state.carry and state.carry is not None and p.src_offset == p.dst_offset
                 if in_place:
                     continue
                 src = p.src
+                for d, n in site.live:  # dead stock capacity is not part of the state
+                    src = graph.call_function(aten.narrow.default, (src, d, 0, n))
                 if view_root(p.src) in aliased_roots:
-                    src = graph.call_function(aten.clone.default, (p.src,))  # overlapping move: stage it
+                    src = graph.call_function(aten.clone.default, (src,))  # overlapping move: stage it
                 staged.append((p, src))
             for p, src in staged:
-                pshape = list(site.out_shape)
+                pshape = list(out_shape)
                 pshape[site.axis] = p.length
                 if leading:
                     target = flat_view(graph, buf, p.dst_offset * inner, pshape)
@@ -77,7 +80,10 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 graph.call_function(aten.copy_.default, (target, src))
                 copies += 1
             if ctx.verify:
-                graph.call_function(audit, (auditor_node(gm, ctx), name, "retention", dst, value))
+                expected = value
+                for d, n in site.live:
+                    expected = graph.call_function(aten.narrow.default, (expected, d, 0, n))
+                graph.call_function(audit, (auditor_node(gm, ctx), name, "retention", dst, expected))
             set_flat_output(graph, site.region.output % len(outs), dst)
     graph.eliminate_dead_code()
     gm.recompile()
