@@ -548,7 +548,27 @@ class Token2WavStep(StreamingStep):
                          source_cache=torch.zeros(1, 1, 0, device=dev), speech_cache=torch.zeros(1, 0, device=dev))
         return {k: v.clone() for k, v in state.items()}
 
-    def stock_call(self, args: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def example_state(self, frames: int | None = None) -> dict[str, torch.Tensor]:
+        """Zero tensors shaped like the state after ``setup`` (``frames`` of history, default the
+        prompt's): enough to export a step or print its plan without running the prompt."""
+        cfg = self.cfg
+        t = cfg.prompt_frames if frames is None else frames
+        encoder, cfm = _upstream(self.flow.encoder), _upstream(self.flow.decoder)
+        dev = cfm.att_cache_buffer.device
+        d_k = cfg.output_size // cfg.attention_heads
+        att = list(cfm.att_cache_buffer.shape)
+        att[4] = t
+        state = {"conformer_cnn": torch.zeros(1, cfg.output_size, cfg.conv_cache_frames, device=dev),
+                 "conformer_att": torch.zeros(len(encoder.encoders) + len(encoder.up_encoders), 1,
+                                              cfg.attention_heads, t, 2 * d_k, device=dev),
+                 "estimator_cnn": torch.zeros_like(cfm.cnn_cache_buffer),
+                 "estimator_att": torch.zeros(att, device=dev)}
+        if self.vocoder is not None:
+            state.update(mel_cache=torch.zeros(1, cfg.mel_channels, 0, device=dev),
+                         source_cache=torch.zeros(1, 1, 0, device=dev), speech_cache=torch.zeros(1, 0, device=dev))
+        return state
+
+    def stock_call(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One call the way ``Token2wav.stream`` makes it, eagerly: the decorated upstream entry points
         (``flow.inference_chunk`` under inference mode, the 1.0.7 encoder through ``torch.compile``),
         then the trims and the vocoder. Outputs are in the step's order."""
