@@ -38,9 +38,14 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
             n.args = args
         box = tuple(slice(0, max(b, 1)) for b in bounds)
         attr = register_tensor(gm, "_cf_workspace_", tensor[box].clone())
+        stock = node.target
         for use in uses:
             use.target = attr
-        ctx.demand[node.target] = (shape, tuple(max(b, 1) for b in bounds))
+        # drop the stock workspace from the program so nothing here keeps it alive
+        owner_path, _, leaf = stock.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner._buffers.pop(leaf, None)
+        ctx.demand[stock] = (shape, tuple(max(b, 1) for b in bounds))
         shrunk += 1
     graph.lint()
     gm.recompile()
