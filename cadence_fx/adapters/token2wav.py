@@ -9,8 +9,10 @@ does, and what the exported step reproduces:
 2. the driver's trim of both attention caches to ``[:prompt] + [-100:]`` frames (0.1.2 trims
    the packed conformer cache as one tensor; 1.0.7 trims its token-rate and mel-rate halves
    separately and repacks them);
-3. (0.1.2) HiFT vocoding with the driver's 8-frame mel cache, 3840-sample source cache and
-   the Hamming cross-fade with the previous chunk's speech tail.
+3. 0.1.2: HiFT vocoding with the driver's 8-frame mel cache, 3840-sample source cache and
+   the Hamming cross-fade with the previous chunk's speech tail. 1.0.7 streams through a
+   ``BoundedVocoder`` whose state is host-side integer bookkeeping; it is not exportable to a
+   finite catalog and runs eagerly after the step (:func:`bounded_vocoder_stream`).
 
 Everything model-side is the upstream code, imported (:mod:`cadence_fx.adapters.upstream`);
 what lives here is the driver logic of ``token2wav.py`` (a module that cannot be imported
@@ -21,17 +23,20 @@ Why wrappers: a module entered through a method other than ``__call__`` (upstrea
 ``self.encoder.forward_chunk(...)``, ``self.decoder.forward_chunk(...)``,
 ``self.estimator.forward_chunk(...)``) is not recorded in ``nn_module_stack``, so cadence_fx
 could not find its boundary. :func:`routed` installs small proxies whose ``forward_chunk``
-goes through ``__call__``, only for the duration of an export, and puts the user's modules
-back afterwards (their ``state_dict`` keys never change).
+goes through ``__call__``, for the duration of an export, and puts the user's modules back
+afterwards (their ``state_dict`` keys never change). The proxies must be in the module tree
+when ``torch.export`` starts: it records calls on the attribute path it reached a module by,
+so swapping a proxy in from inside ``forward`` is not seen.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
+import os
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
 
 import numpy as np
@@ -97,6 +102,18 @@ class Token2WavConfig:
     # None keeps the stock 1000. Only the capacity changes, never a computed value.
     workspace_frames: int | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.history_frames % self.up_stride:
+            # the packed conformer cache keeps token-rate halves: the kept history must split evenly
+            raise ValueError(f"Token2WavConfig.history_frames ({self.history_frames}) must be a multiple of "
+                             f"up_stride ({self.up_stride})")
+        need = self.prompt_frames + self.history_frames + self.chunk_frames
+        if self.workspace_frames is not None and self.workspace_frames < need:
+            raise ValueError(f"Token2WavConfig.workspace_frames ({self.workspace_frames}) is smaller than the longest "
+                             f"history the stream writes (prompt + history + chunk = {need} frames)")
+        if self.output_size % self.attention_heads:
+            raise ValueError("Token2WavConfig.output_size must be divisible by attention_heads")
 
     @property
     def up_rate(self) -> int:
@@ -275,7 +292,9 @@ def routed(flow: nn.Module, *, granularity: Granularity = "chunk") -> Iterator[N
     """Install the proxies on ``flow`` (encoder, decoder and, for ``"step"``, the estimator); restore on exit.
 
     The exported program keeps the proxies' paths (:data:`ENCODER_PATH`, :data:`CFM_PATH`,
-    :data:`ESTIMATOR_PATH`); the user's modules are unchanged after the block.
+    :data:`ESTIMATOR_PATH`); the user's modules are unchanged after the block. A program exported
+    with ``"step"`` routing carries both the CFM-loop and the per-step boundaries, so it serves
+    both granularities: the contract's ``wrap`` list picks one.
     """
     cfm = flow.decoder
     saved = [(flow, "encoder", flow.encoder), (flow, "decoder", cfm), (cfm, "estimator", cfm.estimator)]
@@ -408,7 +427,8 @@ class DiTStep(StreamingStep):
         self.estimator = EstimatorChunk(_upstream(dit))
         self.cfg = cfg
 
-    def forward(self, x, mu, t, spks, cond, cnn_cache, att_cache):
+    def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                cnn_cache: torch.Tensor, att_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y, cnn_cache, att_cache = self.estimator(x, mu, t, spks, cond, cnn_cache, att_cache)
         p, r = self.cfg.prompt_frames, self.cfg.history_frames
         if att_cache.shape[3] > p + r:  # the driver's trim, on the DiT's own layout (time on dim 3)
@@ -422,7 +442,8 @@ class DiTStep(StreamingStep):
             _y, cnn, att = self.estimator.upstream.forward_chunk(x, mu, t, spks, cond, None, None)
         return {"cnn_cache": cnn.clone(), "att_cache": att.clone()}
 
-    def fresh(self, n_calls: int, *, seed: int = 0, frames: int | None = None) -> list[dict[str, torch.Tensor]]:
+    def fresh(self, n_calls: int, *, seed: int = 0, frames: int | None = None,
+              device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
         """Per-call inputs of a CFG-batch-2 solver step, ``frames`` (default: chunk frames) long."""
         c, n = self.cfg.mel_channels, frames or self.cfg.chunk_frames
         g = torch.Generator().manual_seed(seed)
@@ -432,9 +453,9 @@ class DiTStep(StreamingStep):
             mu = torch.randn(1, c, n, generator=g)
             spks = torch.randn(1, c, generator=g)
             t = torch.rand(1, generator=g)
-            out.append({"x": x.repeat(2, 1, 1), "mu": torch.cat([mu, torch.zeros_like(mu)]), "t": t.repeat(2),
-                        "spks": torch.cat([spks, torch.zeros_like(spks)]),
-                        "cond": torch.zeros(2, c, n)})
+            call = {"x": x.repeat(2, 1, 1), "mu": torch.cat([mu, torch.zeros_like(mu)]), "t": t.repeat(2),
+                    "spks": torch.cat([spks, torch.zeros_like(spks)]), "cond": torch.zeros(2, c, n)}
+            out.append({k: v.to(device) for k, v in call.items()})
         return out
 
 
@@ -454,7 +475,8 @@ class EncoderStep(StreamingStep):
         self.cfg = cfg
         self.driver = driver
 
-    def forward(self, xs, cnn_cache, att_cache):
+    def forward(self, xs: torch.Tensor, cnn_cache: torch.Tensor,
+                att_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, cnn_cache, att_cache = self.encoder(xs, False, cnn_cache, att_cache)
         att_cache = trim_conformer_cache(att_cache, self.cfg.prompt_frames, self.cfg.history_frames,
                                          driver=self.driver, depth=len(self.encoder.upstream.encoders))
@@ -466,9 +488,11 @@ class EncoderStep(StreamingStep):
             _h, cnn, att = self.encoder(xs, False, None, None)
         return {"cnn_cache": cnn.clone(), "att_cache": att.clone()}
 
-    def fresh(self, n_calls: int, *, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    def fresh(self, n_calls: int, *, seed: int = 0,
+              device: torch.device | str = "cpu") -> list[dict[str, torch.Tensor]]:
+        """Per-call inputs: random embeddings of 25 + 3 tokens."""
         g = torch.Generator().manual_seed(seed)
-        return [{"xs": torch.randn(1, self.cfg.call_tokens, self.cfg.input_size, generator=g)}
+        return [{"xs": torch.randn(1, self.cfg.call_tokens, self.cfg.input_size, generator=g).to(device)}
                 for _ in range(n_calls)]
 
 
@@ -506,8 +530,10 @@ class Token2WavStep(StreamingStep):
         first = 2 if vocoder is not None else 1
         self.state = {name: first + i for i, name in enumerate(names)}
 
-    def forward(self, token, spk, conformer_cnn, conformer_att, estimator_cnn, estimator_att,
-                mel_cache=None, source_cache=None, speech_cache=None):
+    def forward(self, token: torch.Tensor, spk: torch.Tensor, conformer_cnn: torch.Tensor,
+                conformer_att: torch.Tensor, estimator_cnn: torch.Tensor, estimator_att: torch.Tensor,
+                mel_cache: torch.Tensor | None = None, source_cache: torch.Tensor | None = None,
+                speech_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         cache = {"conformer_cnn_cache": conformer_cnn, "conformer_att_cache": conformer_att,
                  "estimator_cnn_cache": estimator_cnn, "estimator_att_cache": estimator_att}
         # the function under @torch.inference_mode(): export traces plain tensors
@@ -525,7 +551,8 @@ class Token2WavStep(StreamingStep):
                                                  self.speech_window, cfg)
         return (speech, chunk_mel, *flow_state, mel_c, src_c, sp_c)
 
-    def setup(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor, spk: torch.Tensor) -> dict[str, torch.Tensor]:
+    def setup(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
+              spk: torch.Tensor) -> dict[str, torch.Tensor]:
         """``set_stream_cache``: ``flow.setup_cache`` on the prompt + 3 lookahead tokens, empty vocoder caches.
 
         0.1.2 pads the prompt with three silence tokens (id 4218); 1.0.7 repeats its first three
@@ -593,20 +620,24 @@ class Token2WavStep(StreamingStep):
         return tuple(t.clone() for t in outs)  # outside inference mode: plain tensors
 
     def fresh(self, n_calls: int, spk: torch.Tensor, *, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-        """Per-call inputs: 28 (25 + 3 lookahead) random tokens and the speaker embedding."""
+        """Per-call inputs: 28 (25 + 3 lookahead) random int32 tokens (on ``spk``'s device) and ``spk``."""
         g = torch.Generator().manual_seed(seed)
         return [{"token": torch.randint(0, self.cfg.vocab_size, (1, self.cfg.call_tokens), generator=g,
-                                        dtype=torch.int64).to(torch.int32), "spk": spk}
+                                        dtype=torch.int64).to(device=spk.device, dtype=torch.int32), "spk": spk}
                 for _ in range(n_calls)]
 
 
-def example_prompt(cfg: Token2WavConfig, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random stand-ins for ``_prepare_prompt``: ``(prompt_tokens (1, 151) int32, prompt_mel (1, 302, 80), spk (1, 192))``."""
+def example_prompt(cfg: Token2WavConfig, *, seed: int = 0,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random stand-ins for what ``_prepare_prompt`` returns from a prompt wav.
+
+    ``(prompt_tokens (1, 151) int32, prompt_mel (1, 302, 80), spk (1, 192))`` at released size.
+    """
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.prompt_tokens), generator=g).to(torch.int32)
     mel = torch.randn(1, cfg.prompt_frames, cfg.mel_channels, generator=g)
     spk = torch.randn(1, cfg.spk_embed_dim, generator=g)
-    return tokens, mel, spk
+    return tokens.to(device), mel.to(device), spk.to(device)
 
 
 # --------------------------------------------------------------------------- contracts
@@ -755,7 +786,8 @@ class CatalogReference:
 
 
 def run_stream(program: Callable[..., Sequence[torch.Tensor]], step: StreamingStep, state: Mapping[str, torch.Tensor],
-               fresh: Sequence[Mapping[str, torch.Tensor]], *, restore: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+               fresh: Sequence[Mapping[str, torch.Tensor]], *,
+               restore: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
                on_call: Callable[[int, Sequence[torch.Tensor]], None] | None = None) -> list[tuple[torch.Tensor, ...]]:
     """Drive ``program`` (the eager step, ``step.stock_call``, a :class:`CatalogReference` or an
     optimized program) through ``len(fresh)`` calls, feeding each call's state outputs back as they are.
@@ -778,7 +810,75 @@ def run_stream(program: Callable[..., Sequence[torch.Tensor]], step: StreamingSt
     return outs
 
 
+def run_stock_stream(step: Token2WavStep, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor, spk: torch.Tensor,
+                     tokens: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """The stock driver end to end, eagerly: ``set_stream_cache`` (``flow.setup_cache``) then one
+    ``stream`` call per entry of ``tokens`` (each ``(1, 28)`` int32). Outputs are in the step's order."""
+    state = step.setup(prompt_tokens, prompt_mel, spk)
+    fresh = [{"token": t, "spk": spk} for t in tokens]
+    return run_stream(step.stock_call, step, state, fresh)
+
+
+def export_plan_step(up: types.SimpleNamespace, cfg: Token2WavConfig | None = None) -> tuple[ExportedProgram, Contract]:
+    """The flow step at ``cfg`` (default: released) exported once, for :func:`cadence_fx.plan`, and its contract.
+
+    The plan reads shapes only (the workspaces the program allocates, the region inputs), so the
+    step is exported with a single solver step from zero state: a few seconds on a CPU instead
+    of the ~24 s of the 10-step loop. The contract carries the configured solver steps.
+    """
+    cfg = Token2WavConfig() if cfg is None else cfg
+    step = Token2WavStep(build_flow(up, cfg), None, cfg, n_timesteps=1).eval()
+    _tokens, _mel, spk = example_prompt(cfg)
+    args = step.next_args({"token": torch.zeros(1, cfg.call_tokens, dtype=torch.int32), "spk": spk},
+                          step.example_state())
+    with routed(step.flow):
+        ep = torch.export.export(step, args)
+    return ep, token2wav_contract(cfg, vocoder=False)
+
+
+def plan_target(root: str | os.PathLike | None = None) -> tuple[ExportedProgram, Contract]:
+    """``cadence-fx plan token2wav``: the released flow step of minicpmo 0.1.2 and its contract.
+
+    ``root`` is the folder holding ``minicpmo-0.1.2/`` (default: ``$CADENCE_FX_UPSTREAM``, else
+    ``<repo>/.upstream``).
+    """
+    from cadence_fx.adapters.upstream import load_stepaudio2
+
+    base = Path(root or os.environ.get("CADENCE_FX_UPSTREAM") or Path(__file__).resolve().parents[2] / ".upstream")
+    return export_plan_step(load_stepaudio2(base / "minicpmo-0.1.2"))
+
+
 # --------------------------------------------------------------------------- 1.0.7 vocoder
+def build_causal_vocoder(up: types.SimpleNamespace, cfg: Token2WavConfig) -> Any:
+    """A 1.0.7 ``BoundedVocoder`` over a ``CausalHiFTGenerator`` with random (seeded) weights.
+
+    The released configuration ships with the weights (``config.yaml``), which are not available
+    here; this one satisfies every check of the 1.0.7 driver (24 kHz, 480 samples per frame, the
+    causal ``SineGen2`` path, an 8-frame delay: F0 right context 3 + ``conv_pre`` look-right 4 + 1)
+    with the HiFT upsampling of the 0.1.2 vocoder. Returns the vocoder reset for a new stream,
+    with the driver's ``first_chunk`` flag set (``set_stream_cache``).
+    """
+    if up.BoundedVocoder is None:
+        raise RuntimeError(f"stepaudio2 {up.version} has no causal_vocoder (it arrived in minicpmo-utils 1.0.7)")
+    torch.manual_seed(cfg.seed + 6)
+    width = cfg.hift_base_channels
+    hift = up.causal_generator.CausalHiFTGenerator(
+        in_channels=cfg.mel_channels, base_channels=width, sampling_rate=24000, upsample_rates=[8, 5, 3],
+        upsample_kernel_sizes=[16, 11, 7], istft_params={"n_fft": 16, "hop_len": 4},
+        source_resblock_kernel_sizes=[7, 7, 11], source_resblock_dilation_sizes=[[1, 3, 5]] * 3,
+        conv_pre_look_right=4,
+        f0_predictor=up.causal_f0_predictor.CausalConvRNNF0Predictor(cond_channels=width)).float().eval()
+    return new_bounded_stream(up, hift)
+
+
+def new_bounded_stream(up: types.SimpleNamespace, hift: nn.Module) -> Any:
+    """A fresh ``BoundedVocoder`` stream over ``hift`` as ``set_stream_cache`` (1.0.7) starts one."""
+    vocoder = up.BoundedVocoder(hift)
+    vocoder.reset()
+    vocoder.cache["first_chunk"] = torch.ones(1, dtype=torch.long)
+    return vocoder
+
+
 def bounded_vocoder_stream(vocoder: Any, chunk_mel: torch.Tensor, cfg: Token2WavConfig, *,
                            last_chunk: bool = False) -> torch.Tensor:
     """The 1.0.7 driver's ``_stream_vocode`` on a ``BoundedVocoder``: eager, host-driven.
@@ -786,7 +886,7 @@ def bounded_vocoder_stream(vocoder: Any, chunk_mel: torch.Tensor, cfg: Token2Wav
     Not part of any exported step: its state is a dict of integer offsets read with ``.item()``
     that pick slice bounds and absolute positions in a fixed noise table, so each call would be
     a new static program (no finite catalog). It runs after the optimized flow step, exactly as
-    in the stock driver.
+    in the stock driver, and consumes the step's ``mel`` output.
     """
     cache = vocoder.cache
     speech = vocoder.stream(chunk_mel, finalize=last_chunk)
@@ -800,10 +900,11 @@ def bounded_vocoder_stream(vocoder: Any, chunk_mel: torch.Tensor, cfg: Token2Wav
 
 
 __all__ = [
-    "CFM_PATH", "CFMChunk", "CatalogReference", "DiTStep", "ENCODER_PATH", "ESTIMATOR_PATH", "EncoderChunk",
-    "EncoderStep", "EstimatorChunk", "StreamingStep", "Token2WavConfig", "Token2WavStep", "VOCODER_PATH",
-    "VocoderCall", "bounded_vocoder_stream", "build_dit", "build_encoder", "build_flow", "build_vocoder",
-    "dit_step_contract", "encoder_step_contract", "example_prompt", "export_step_catalog", "fade_in_out",
-    "hift_stream", "routed", "run_stream", "signature", "speech_window", "token2wav_contract",
-    "trim_conformer_cache", "trim_estimator_cache",
+    "bounded_vocoder_stream", "build_causal_vocoder", "build_dit", "build_encoder", "build_flow",
+    "build_vocoder", "CatalogReference", "CFM_PATH", "CFMChunk", "dit_step_contract", "DiTStep",
+    "ENCODER_PATH", "encoder_step_contract", "EncoderChunk", "EncoderStep", "ESTIMATOR_PATH",
+    "EstimatorChunk", "example_prompt", "export_plan_step", "export_step_catalog", "fade_in_out", "hift_stream",
+    "new_bounded_stream", "plan_target", "routed", "run_stock_stream", "run_stream", "signature", "speech_window",
+    "StreamingStep", "token2wav_contract", "Token2WavConfig", "Token2WavStep", "trim_conformer_cache",
+    "trim_estimator_cache", "VOCODER_PATH", "VocoderCall",
 ]

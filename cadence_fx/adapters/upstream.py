@@ -40,6 +40,7 @@ _SUBMODULES = {
 # Only in minicpmo-utils 1.0.7.
 _OPTIONAL = {
     "causal_generator": "stepaudio2.causal_vocoder.generator",
+    "causal_f0_predictor": "stepaudio2.causal_vocoder.f0_predictor",
     "bounded_vocoder": "stepaudio2.causal_vocoder.bounded_vocoder",
 }
 # Imported at module level by an upstream file but never used by the decoder
@@ -75,8 +76,8 @@ def load_stepaudio2(root: str | Path) -> types.SimpleNamespace:
     Returns:
         A namespace with ``version`` (e.g. ``"0.1.2"``), ``root``, the modules (``flow``,
         ``flow_matching``, ``decoder_dit``, ``upsample_encoder_v2``, ``hifigan`` and, for 1.0.7,
-        ``causal_generator`` and ``bounded_vocoder``; ``None`` where absent) and the classes
-        ``CausalMaskedDiffWithXvec``, ``CausalConditionalCFM``, ``DiT``,
+        ``causal_generator``, ``causal_f0_predictor`` and ``bounded_vocoder``; ``None`` where
+        absent) and the classes ``CausalMaskedDiffWithXvec``, ``CausalConditionalCFM``, ``DiT``,
         ``UpsampleConformerEncoderV2``, ``HiFTGenerator`` (and ``BoundedVocoder`` or ``None``).
 
     Raises:

@@ -1,0 +1,259 @@
+"""The real Token2Wav decoder (stepaudio2 from PyPI, random weights) under cadence_fx, on the CPU.
+
+Every stream runs the unmodified exported programs (one per catalog class) and the optimized
+program side by side from the same state, through at least two trims, and requires:
+non-state outputs ``torch.equal``, state outputs equal on what a consumer reads (the live
+slots), the SHA-256 over the whole stream equal, and every region output at its buffer's
+fixed address on every call.
+
+The upstream packages are found under ``$CADENCE_FX_UPSTREAM`` (default ``<repo>/.upstream``)
+as ``minicpmo-0.1.2/`` and ``minicpmo-utils-1.0.7/`` (``pip install --no-deps --target``);
+the tests skip when they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+
+import cadence_fx as cf
+from cadence_fx.adapters.token2wav import (
+    CatalogReference, DiTStep, EncoderStep, StreamingStep, Token2WavConfig, Token2WavStep, bounded_vocoder_stream,
+    build_causal_vocoder, build_dit, build_encoder, build_flow, build_vocoder, dit_step_contract,
+    encoder_step_contract, example_prompt, export_plan_step, export_step_catalog, new_bounded_stream,
+    run_stock_stream, run_stream, token2wav_contract)
+from cadence_fx.adapters.upstream import load_stepaudio2
+from cadence_fx.determinism import sha256_tensors
+
+pytestmark = pytest.mark.upstream
+
+REPO = Path(__file__).resolve().parents[1]
+UPSTREAM = Path(os.environ.get("CADENCE_FX_UPSTREAM", REPO / ".upstream"))
+FOLDERS = {"0.1.2": "minicpmo-0.1.2", "1.0.7": "minicpmo-utils-1.0.7"}
+CALLS = 6  # classes 16, 26, 36 frames: trims on calls 2..5
+
+
+def upstream(version: str):
+    root = UPSTREAM / FOLDERS[version]
+    if not (root / "stepaudio2" / "__init__.py").is_file():
+        pytest.skip(f"stepaudio2 {version} is not installed at {root} (set CADENCE_FX_UPSTREAM to a folder with "
+                    f"{FOLDERS[version]}/ made by pip install --no-deps --target)")
+    up = load_stepaudio2(root)
+    assert up.version == version
+    return up
+
+
+@pytest.fixture(scope="module")
+def cfg() -> Token2WavConfig:
+    return Token2WavConfig.reduced()
+
+
+# --------------------------------------------------------------------------- checking
+def _live(t: torch.Tensor, live: dict[int, int]) -> torch.Tensor:
+    for d, n in live.items():
+        t = t.narrow(d, 0, min(n, t.shape[d]))
+    return t
+
+
+def consumer_view(step: StreamingStep, contract: cf.Contract, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What a consumer reads of one call's outputs: state regions on their live slots only."""
+    live = {step.state[r.input]: dict(r.live) for r in contract.regions}
+    return [_live(t, live.get(i, {})) for i, t in enumerate(outs)]
+
+
+def assert_streams_equal(step, contract, ref, opt) -> None:
+    regions = {step.state[r.input] for r in contract.regions}
+    assert len(ref) == len(opt)
+    for k, (r, o) in enumerate(zip(ref, opt)):
+        r, o = consumer_view(step, contract, r), consumer_view(step, contract, o)
+        for i, (a, b) in enumerate(zip(r, o)):
+            what = "state" if i in regions else "output"
+            assert a.shape == b.shape and a.dtype == b.dtype, f"call {k}, {what} {i}: {a.shape} vs {b.shape}"
+            assert torch.equal(a, b), f"call {k}, {what} {i} differs"
+    flat = lambda s: [t for call in s for t in consumer_view(step, contract, call)]  # noqa: E731
+    assert sha256_tensors(flat(ref)) == sha256_tensors(flat(opt))
+
+
+class PointerLog:
+    """Records, per call, the data pointer of every region output of an optimized program."""
+
+    def __init__(self, prog: cf.OptimizedProgram, step: StreamingStep, contract: cf.Contract) -> None:
+        self.prog, self.index = prog, {r.name: step.state[r.input] for r in contract.regions}
+        self.calls: list[dict[str, int]] = []
+
+    def __call__(self, k: int, raw: Sequence[torch.Tensor]) -> None:
+        self.calls.append({name: raw[i].data_ptr() for name, i in self.index.items()})
+
+    def assert_stable(self) -> None:
+        for name in self.index:
+            seen = {c[name] for c in self.calls}
+            assert seen == {self.prog.region_pointer(name)}, f"region {name!r} moved: {seen}"
+
+
+def check_optimized(step, contract, eps, state, fresh, *, verify: bool, restore=None, seed: int = 0):
+    """Optimize, stream reference and optimized side by side, check everything; returns both streams."""
+    prog = cf.optimize(eps, contract, verify=verify)
+    ref = CatalogReference(eps)
+    torch.manual_seed(seed)  # the 0.1.2 HiFT draws random numbers: both runs draw the same ones
+    r = run_stream(ref, step, state, fresh, restore=restore)
+    log = PointerLog(prog, step, contract)
+    torch.manual_seed(seed)
+    o = run_stream(prog, step, state, fresh, restore=restore, on_call=log)
+    assert_streams_equal(step, contract, r, o)
+    log.assert_stable()
+    if verify:
+        assert prog.auditor.checks > 0
+    return prog, r, o
+
+
+def wrapped_invocations(prog: cf.OptimizedProgram) -> list[list[str]]:
+    """Per exported program, the wrapped invocation each partition runs (in graph order)."""
+    return [[n.meta["cadence_wrapped"] for n in gm.graph.nodes
+             if n.op == "call_module" and n.meta.get("cadence_wrapped")] for gm in prog.graph_modules()]
+
+
+def trims(step: StreamingStep, name: str, state, outs) -> int:
+    """How many calls shortened the history ``name`` (the driver's trim fired)."""
+    extents = [state[name].shape[-2]] + [o[step.state[name]].shape[-2] for o in outs]
+    return sum(b <= a for a, b in zip(extents, extents[1:]))
+
+
+# --------------------------------------------------------------------------- (a) estimator
+def test_dit_step_exact(cfg):
+    up = upstream("0.1.2")
+    step = DiTStep(build_dit(up, cfg), cfg).eval()
+    state = step.setup(**step.fresh(1, seed=1, frames=cfg.prompt_frames)[0])
+    fresh = step.fresh(CALLS + 1, seed=2)
+    contract = dit_step_contract(cfg)
+    eps = export_step_catalog(step, state, fresh, contract)
+    assert len(eps) == 3
+    plan = cf.plan(eps, contract)
+    assert list(plan.region("dit_att").extents) == [cfg.prompt_frames + i * cfg.chunk_frames for i in range(3)]
+    for verify in (False, True):
+        prog, ref, _ = check_optimized(step, contract, eps, state, fresh, verify=verify)
+        assert prog.stats["passes"]["retention_in_place"] > 0
+    assert trims(step, "att_cache", state, ref) >= 2
+    # the exported program is the stock computation: same as calling DiT.forward_chunk eagerly
+    eager = run_stream(step, step, state, fresh)
+    assert all(torch.equal(a, b) for x, y in zip(ref, eager) for a, b in zip(x, y))
+
+
+# --------------------------------------------------------------------------- (b) conformer encoder
+@pytest.mark.parametrize("version", ["0.1.2", "1.0.7"])
+def test_encoder_step_exact(cfg, version):
+    """The encoder (1.0.7: behind ``torch.compile``, exported through the function it wraps), 0.1.2 trim."""
+    up = upstream(version)
+    step = EncoderStep(build_encoder(up, cfg), cfg, driver="0.1.2").eval()
+    g = torch.Generator().manual_seed(3)
+    state = step.setup(torch.randn(1, cfg.prompt_tokens + cfg.pre_lookahead_len, cfg.input_size, generator=g))
+    assert state["att_cache"].shape[3] == cfg.prompt_frames
+    fresh = step.fresh(CALLS + 1, seed=4)
+    contract = encoder_step_contract(cfg)
+    eps = export_step_catalog(step, state, fresh, contract)
+    assert len(eps) == 3
+    for verify in (False, True):
+        _prog, ref, _ = check_optimized(step, contract, eps, state, fresh, verify=verify)
+    assert trims(step, "att_cache", state, ref) >= 2
+    # the exported programs compute what the step computes eagerly (the decorated 1.0.7 entry point
+    # is compared in test_full_step_1_0_7, through the stock driver)
+    eager = run_stream(step, step, state, fresh)
+    assert all(torch.equal(a, b) for x, y in zip(ref, eager) for a, b in zip(x, y))
+
+
+def test_encoder_1_0_7_trim_is_not_one_region(cfg):
+    """1.0.7 trims the token-rate and mel-rate halves of the packed cache separately and repacks them
+    along dim 0: no single HeadTail region describes that, and the core says so instead of guessing."""
+    up = upstream("1.0.7")
+    step = EncoderStep(build_encoder(up, cfg), cfg, driver="1.0.7").eval()
+    g = torch.Generator().manual_seed(3)
+    state = step.setup(torch.randn(1, cfg.prompt_tokens + cfg.pre_lookahead_len, cfg.input_size, generator=g))
+    contract = encoder_step_contract(cfg)
+    eps = export_step_catalog(step, state, step.fresh(3, seed=4), contract)
+    with pytest.raises(cf.ContractError, match="conformer_att"):
+        cf.optimize(eps, contract)
+
+
+# --------------------------------------------------------------------------- (c) the full step
+def test_full_step_0_1_2(cfg):
+    """Flow chunk + both trims + HiFT (mel/source/speech caches, fade, device randomness), chunk clock,
+    verify mode, and a mid-stream rollback to an earlier snapshot (foreign tensors copied in)."""
+    up = upstream("0.1.2")
+    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    ptok, pmel, spk = example_prompt(cfg)
+    state = step.setup(ptok, pmel, spk)
+    fresh = step.fresh(CALLS, spk, seed=5)
+    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
+    eps = export_step_catalog(step, state, fresh, contract, granularity="chunk")
+    assert len(eps) == 3
+
+    torch.manual_seed(11)
+    plain = run_stream(CatalogReference(eps), step, state, fresh)
+    assert trims(step, "estimator_att", state, plain) >= 2
+    assert trims(step, "conformer_att", state, plain) >= 2
+    # the exported step is the stock driver: Token2wav.stream's work, eagerly, draws the same numbers
+    torch.manual_seed(11)
+    stock = run_stock_stream(step, ptok, pmel, spk, [f["token"] for f in fresh])
+    assert sha256_tensors([t for c in stock for t in c]) == sha256_tensors([t for c in plain for t in c])
+
+    # roll back to the state after call 0 (26 frames of history) before call 4 (36 frames)
+    snapshot = {k: v.clone() for k, v in step.carry(plain[0]).items()}
+    prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=True, restore={4: snapshot}, seed=11)
+    assert ref[4][step.state["estimator_att"]].shape[4] == cfg.prompt_frames + 2 * cfg.chunk_frames
+    for names in wrapped_invocations(prog):  # chunk clock: encoder, the whole CFM loop, the vocoder
+        assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder"], names
+    assert all(torch.equal(a, b) for x, y in zip(ref[:4], plain[:4]) for a, b in zip(x, y))
+    assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
+
+
+def test_full_step_1_0_7(cfg):
+    """1.0.7: flow chunk + both 1.0.7 trims, step clock (one partition per solver step), then the
+    1.0.7 ``BoundedVocoder`` on the step's mel, eagerly, as its driver runs it."""
+    up = upstream("1.0.7")
+    step = Token2WavStep(build_flow(up, cfg), None, cfg, driver="1.0.7").eval()
+    ptok, pmel, spk = example_prompt(cfg)
+    state = step.setup(ptok, pmel, spk)
+    fresh = step.fresh(CALLS, spk, seed=6)
+    contract = token2wav_contract(cfg, "step", driver="1.0.7", vocoder=False)
+    assert "conformer_att" not in {r.name for r in contract.regions}  # passes through unmanaged
+    eps = export_step_catalog(step, state, fresh, contract, granularity="step")
+    assert len(eps) == 3
+
+    ref_plain = run_stream(CatalogReference(eps), step, state, fresh)
+    snapshot = {k: v.clone() for k, v in step.carry(ref_plain[0]).items()}
+    prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=False, restore={4: snapshot})
+    assert trims(step, "estimator_att", state, ref_plain) >= 2
+    for names in wrapped_invocations(prog):  # step clock: one partition per solver step
+        assert len(names) == 1 + cfg.n_timesteps and "flow.encoder" in names[0], names
+        assert all(".estimator" in n for n in names[1:]) and len(set(names[1:])) == cfg.n_timesteps, names
+
+    # the stock 1.0.7 stream (decorated entry points, torch.compile'd encoder) + its bounded vocoder
+    stock = run_stream(step.stock_call, step, state, fresh)
+    hift_ref = build_causal_vocoder(up, cfg)
+    hift_opt = new_bounded_stream(up, hift_ref.model)
+    pcm_stock = [bounded_vocoder_stream(hift_ref, c[0], cfg) for c in stock]
+    pcm_opt = [bounded_vocoder_stream(hift_opt, c[0], cfg) for c in opt[:4]]
+    assert all(torch.equal(a, b) for x, y in zip(stock, ref_plain) for a, b in zip(x, y))
+    assert sum(p.shape[-1] for p in pcm_stock) > 0
+    assert sha256_tensors(pcm_stock[:4]) == sha256_tensors(pcm_opt)
+
+
+# --------------------------------------------------------------------------- (d) the plan, released size
+def test_plan_released_dimensions():
+    """The released estimator workspace (16 step slots x 1000 frames) against what the contract
+    demands (10 steps x 452 frames), from one export of the released flow step with a single solver
+    step (the plan reads shapes only; the contract carries the 10 steps)."""
+    up = upstream("0.1.2")
+    ep, contract = export_plan_step(up)
+    plan = cf.plan(ep, contract)
+    text = str(plan)
+    print(text)
+    est = plan.region("estimator_att")
+    assert est.static_shape == (16, 16, 2, 8, 1000, 128)
+    assert est.demand_shape == (10, 16, 2, 8, 452, 128)
+    assert est.over_reservation == pytest.approx(16 * 1000 / (10 * 452))
+    assert list(est.extents) == [302, 352, 402]
+    assert "3.54x over-reserved" in text
