@@ -114,7 +114,8 @@ def run_stock(args) -> list[dict]:
     fresh = step.fresh(args.chunks, spk, seed=0)
     a = _stream(step.stock_call, step, state0, fresh, 1000, False, False)[1]
     b = _stream(step.stock_call, step, state0, fresh, 1000, False, False)[1]
-    rows.append(dict(name="envelope", reproducible=a == b, envelope={k: str(v) for k, v in env.items()}))
+    rows.append(dict(name="envelope", reproducible=a == b, envelope={k: str(v) for k, v in env.items()},
+                     gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__))
     for block in range(args.blocks):
         fresh = step.fresh(args.chunks, spk, seed=block)
         restore = block == args.blocks - 1
@@ -199,6 +200,8 @@ def run_opt(args) -> list[dict]:
             print(f"[{name} block {block}] p50 {rows[-1]['p50_ms']:.1f} ms peak {rows[-1]['peak_mib']} {notes} "
                   f"(optimize {optimize_s:.1f} s, warm-up {warm:.1f} s)", file=sys.stderr, flush=True)
         del prog
+        if args.out:  # written after every cell: a run cut short still reports what it measured
+            Path(args.out).write_text(json.dumps(rows + [dict(name="export", seconds=export_s)]))
     rows.append(dict(name="export", seconds=export_s))
     return rows
 
@@ -233,12 +236,18 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--group", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--merge", nargs="*", default=None, help="print the table of saved group results")
     args = ap.parse_args()
     if args.group:
         rows = run_stock(args) if args.group == "stock" else run_opt(args)
         Path(args.out).write_text(json.dumps(rows))
         return
     rows: list[dict] = []
+    if args.merge is not None:
+        for f in args.merge:
+            rows += json.loads(Path(f).read_text())
+        report(rows, args)
+        return
     passthrough = ["--blocks", str(args.blocks), "--chunks", str(args.chunks), "--cells", args.cells]
     passthrough += ["--reduced"] if args.reduced else []
     for group in ("stock", "opt"):
@@ -251,6 +260,11 @@ def main() -> None:
                 print(f"group {group} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", file=sys.stderr)
                 continue
             rows += json.loads(out.read_text())
+    report(rows, args)
+
+
+def report(rows: list[dict], args) -> None:
+    """Gate exactness against B0 per block, print the table and the per-cell summary, save JSON."""
     cells = [r for r in rows if "p50_ms" in r]
     base = {r["block"]: r for r in cells if r["name"] == "B0"}
     for r in cells:
@@ -260,9 +274,10 @@ def main() -> None:
             1.0 if r["name"] == "B0" else None)
     env = next((r for r in rows if r["name"] == "envelope"), {})
     exp = next((r for r in rows if r["name"] == "export"), {})
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = next((r["gpu"] for r in rows if r.get("gpu")), None) or (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     print(f"Token2Wav {'reduced' if args.reduced else 'released'} sizes, {args.blocks} blocks x {args.chunks} chunks, "
-          f"{gpu}, torch {torch.__version__}, {date.today()}; baseline reproduces itself under the envelope: "
+          f"{gpu}, torch {env.get('torch', torch.__version__)}, {date.today()}; baseline reproduces itself under the envelope: "
           f"{env.get('reproducible')}; export of the catalog: {exp.get('seconds', float('nan')):.1f} s")
     print(table(cells))
     summary = {}
