@@ -738,8 +738,8 @@ def export_step_catalog(step: StreamingStep, state: Mapping[str, torch.Tensor],
     """One static-shape ``torch.export`` program per catalog class of ``contract``.
 
     The step runs eagerly from ``state`` (the stock computation, on the step's own modules) for as
-    many calls as the catalog has classes, and is exported at each call whose signature is new:
-    the example inputs of each program are the real inputs of that call. For a
+    many calls as the catalog has classes; each call whose signature is new is then exported with
+    that call's real inputs as example inputs. For a
     :class:`Token2WavStep` the flow's proxies are installed for the export only (:func:`routed`).
     Raises ``ValueError`` when ``fresh`` has fewer calls than the catalog has classes.
     """
@@ -751,20 +751,42 @@ def export_step_catalog(step: StreamingStep, state: Mapping[str, torch.Tensor],
             return routed(step.flow, granularity=granularity)
         return contextlib.nullcontext()
 
-    eps: list[ExportedProgram] = []
+    # First walk the catalog eagerly, so every lazily grown table (the conformer's positional
+    # encoding) already covers the longest extent before tracing starts; then export each class.
+    calls: list[tuple] = []
     seen: set[tuple] = set()
     st = {k: v.clone() for k, v in state.items()}
     for k in range(n):
         args = step.next_args(fresh[k], st)
-        key = signature(args)
-        if key not in seen:
-            seen.add(key)
-            with route():
-                eps.append(torch.export.export(step, tuple(a.clone() for a in args)))
+        if signature(args) not in seen:
+            seen.add(signature(args))
+            calls.append(tuple(a.clone() for a in args))
         with torch.no_grad():
             outs = step(*args)
         st = {name: t.clone() for name, t in step.carry(outs).items()}
+    _normalize_inference_tensors(step)
+    eps: list[ExportedProgram] = []
+    for args in calls:
+        with route():
+            eps.append(torch.export.export(step, args))
     return eps
+
+
+def _normalize_inference_tensors(module: nn.Module) -> None:
+    """Replace tensors the upstream code cached under ``torch.inference_mode`` by plain copies.
+
+    ``setup_cache``/``inference_chunk`` run in inference mode, and the conformer's positional
+    encoding grows its table lazily there (``extend_pe``) when a stream is longer than its
+    initial table: that attribute becomes an inference tensor, which export (tracing with
+    autograd on) refuses. Same values, plain tensors; the user's modules keep working as before.
+    """
+    for mod in module.modules():
+        for key, val in list(vars(mod).items()):
+            if isinstance(val, torch.Tensor) and not isinstance(val, nn.Parameter) and val.is_inference():
+                setattr(mod, key, val.clone())
+        for key, buf in list(mod._buffers.items()):
+            if buf is not None and buf.is_inference():
+                mod._buffers[key] = buf.clone()
 
 
 class CatalogReference:
