@@ -7,12 +7,14 @@ from torch.fx import GraphModule
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import carry_writeback
 from cadence_fx.passes.hoist_constants import hoist_constants
+from cadence_fx.passes.inline_grad_regions import inline_grad_regions
 from cadence_fx.passes.lower_replay import lower_replay
 from cadence_fx.passes.partition import partition
 from cadence_fx.passes.retention_in_place import retention_in_place
 from cadence_fx.passes.shrink_workspace import shrink_workspace
 
 PIPELINE = (
+    inline_grad_regions,  # no_grad blocks inside the model -> plain code (the program never records grad)
     hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
     carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted

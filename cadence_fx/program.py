@@ -15,6 +15,7 @@ from cadence_fx.binding import RegionSite, bind_regions, input_names
 from cadence_fx.contract import Contract, ContractError
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.passes import PassContext
+from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces
 from cadence_fx.plan import Plan, plan as make_plan
 
 log = logging.getLogger("cadence_fx")
@@ -72,11 +73,13 @@ class OptimizedProgram:
             for rp in self.plan.regions}
         self.stats: dict[str, Any] = {"calls": 0, "state_adopted": 0, "state_in_place": 0, "passes": {}}
         self._programs: dict[tuple, tuple[GraphModule, dict[str, RegionSite], PassContext]] = {}
+        shared: dict[int, dict] = {}
         for ep in exported:
             sites = bind_regions(ep, contract)
             ctx = PassContext(contract=contract, plan=self.plan, sites=sites, region_buffers=self.region_buffers,
                               verify=verify and state, auditor=self.auditor, state_rule=state,
-                              make_runner=self._make_runner if self._backend is not None else None)
+                              make_runner=self._make_runner if self._backend is not None else None,
+                              shared_workspaces=shared)
             # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
             gm = run_pipeline(ep.module(), ctx)
             key = _key_of_program(ep)
@@ -85,6 +88,8 @@ class OptimizedProgram:
             self._programs[key] = (gm, sites, ctx)
             for k, v in ctx.changed.items():
                 self.stats["passes"][k] = self.stats["passes"].get(k, 0) + v
+        for gm, _sites, _ctx in self._programs.values():
+            rebind_shared_workspaces(gm, shared)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -141,12 +146,14 @@ class OptimizedProgram:
         return view
 
     # ------------------------------------------------------------------ replay
-    def _make_runner(self, fn: torch.nn.Module, *, name: str, aliased: Sequence[int]) -> ReplayRunner:
+    def _make_runner(self, fn: torch.nn.Module, *, name: str, aliased: Sequence[int],
+                     readonly: Sequence[int] = ()) -> ReplayRunner:
         from cadence_fx.replay import ExactShapeReplay
 
         if self._pool is None:
             self._pool = self._backend.new_pool()
-        engine = ExactShapeReplay(fn, name=name, aliased=aliased, pool=self._pool, backend=self._backend)
+        engine = ExactShapeReplay(fn, name=name, aliased=aliased, pool=self._pool, backend=self._backend,
+                                  readonly=readonly)
         return ReplayRunner(fn, engine, self)
 
     def runners(self) -> dict[str, Any]:

@@ -277,7 +277,7 @@ class ExactShapeReplay:
 
     def __init__(self, fn: Callable[..., Any], *, name: str, aliased: Sequence[int] = (),
                  pool: object = None, backend: ReplayBackend | None = None,
-                 clone_outputs: bool = True) -> None:
+                 clone_outputs: bool = True, readonly: Sequence[int] = ()) -> None:
         self.fn = fn
         self.name = name
         self.aliased = tuple(sorted(set(aliased)))
@@ -285,6 +285,9 @@ class ExactShapeReplay:
         self._live = self.backend.available()
         self.pool = pool
         self.clone_outputs = clone_outputs
+        # arguments the caller guarantees fn never writes (weights, constants): the probe need not
+        # snapshot them, and a 0-dim CPU constant among them is a launch-time scalar, fine to capture
+        self.readonly = frozenset(readonly)
         self.counters = ReplayCounters()
         self.classes: dict[Signature, ClassReport] = {}
         self._graphs: dict[Signature, _Graph] = {}
@@ -369,7 +372,8 @@ class ExactShapeReplay:
         if self._refused.get(key) == "host_randomness":
             return ClassReport(key, False, "host_randomness")
         foreign = [i for i, a in enumerate(args)
-                   if isinstance(a, torch.Tensor) and a.device.type != self.backend.device_type]
+                   if isinstance(a, torch.Tensor) and a.device.type != self.backend.device_type
+                   and not (i in self.readonly and a.dim() == 0 and a.device.type == "cpu")]
         if foreign:
             return self._refuse(key, "capture_failed", error=f"arguments {foreign} are not on the backend's device")
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -377,7 +381,7 @@ class ExactShapeReplay:
             return self._refuse(key, "capture_failed", error="autograd is recording; capture under no_grad")
 
         start = time.perf_counter()
-        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.readonly}
         saved = {i: t.clone() for i, t in tensors.items()}
         versions = {i: _version(t) for i, t in tensors.items()}
         rng = (_host_rng(), self.backend.device_rng_get())
@@ -387,11 +391,11 @@ class ExactShapeReplay:
             device_changed = not torch.equal(rng[1], self.backend.device_rng_get())
             _flatten(probe_out)
         except Exception as exc:
-            self._restore(rng, tensors, saved, _mutated(tensors, saved, versions) | set(self.aliased))
+            self._restore(rng, tensors, saved, _mutated(tensors, saved, versions) | set(self.aliased) - self.readonly)
             return self._refuse(key, "capture_failed", error=_describe(exc))
         del probe_out
         mutated = _mutated(tensors, saved, versions)
-        self._restore(rng, tensors, saved, mutated | set(self.aliased))
+        self._restore(rng, tensors, saved, mutated | set(self.aliased) - self.readonly)
         if host_changed:
             return self._refuse(key, "host_randomness", permanent=True)
 
@@ -404,8 +408,8 @@ class ExactShapeReplay:
                     stage.load(t)
                     stages.append(stage)
             # Staging buffers are reloaded before every replay, so only aliased buffers need restoring.
-            static_saved = {i: saved[i] for i in self.aliased}
-            static_tensors = {i: static_args[i] for i in self.aliased}
+            static_saved = {i: saved[i] for i in self.aliased if i not in self.readonly}
+            static_tensors = {i: static_args[i] for i in self.aliased if i not in self.readonly}
             with self.backend.side_stream():
                 for _ in range(_WARMUP):
                     self.fn(*static_args)
@@ -417,7 +421,7 @@ class ExactShapeReplay:
             static_outputs, rebuild = _flatten(outputs)
         except Exception as exc:
             try:
-                self._restore(rng, tensors, saved, set(self.aliased))
+                self._restore(rng, tensors, saved, set(self.aliased) - self.readonly)
             except Exception as again:  # a broken capture can leave the stream unusable
                 log.error("%s: could not restore state after failed capture: %r", self.name, again)
             return self._refuse(key, "capture_failed", error=_describe(exc))

@@ -45,6 +45,8 @@ class PassContext:
     changed: dict[str, int] = field(default_factory=dict)
     runners: dict[str, Any] = field(default_factory=dict)
     demand: dict[str, tuple] = field(default_factory=dict)  # workspace -> (stock shape, demand shape)
+    # one demand-sized copy per stock workspace, shared by every program of one optimized program
+    shared_workspaces: dict[tuple, dict] = field(default_factory=dict)
 
     def record(self, pass_name: str, count: int) -> None:
         self.changed[pass_name] = self.changed.get(pass_name, 0) + count

@@ -10,6 +10,7 @@ in strides only, and what leaves a workspace is copied, never reduced, by the st
 
 from __future__ import annotations
 
+import torch
 from torch.fx import GraphModule
 
 from cadence_fx.graph_utils import reach, register_tensor
@@ -36,8 +37,7 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         for n, args in rewrites:
             n.args = args
-        box = tuple(slice(0, max(b, 1)) for b in bounds)
-        attr = register_tensor(gm, "_cf_workspace_", tensor[box].clone())
+        attr = _shared_copy(gm, ctx, tensor, bounds)
         stock = node.target
         for use in uses:
             use.target = attr
@@ -45,9 +45,51 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
         owner_path, _, leaf = stock.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         owner._buffers.pop(leaf, None)
-        ctx.demand[stock] = (shape, tuple(max(b, 1) for b in bounds))
+        ctx.demand[stock] = (shape, tuple(ctx.shared_workspaces[_key(tensor)]["bounds"]))
         shrunk += 1
     graph.lint()
     gm.recompile()
     ctx.record("shrink_workspace", shrunk)
     return gm
+
+
+def _shared_copy(gm: GraphModule, ctx: PassContext, stock, bounds: list[int]) -> str:
+    """Register on ``gm`` the one copy of ``stock`` that covers every program's box (grown as needed).
+
+    Each catalog class reaches a different box (302, 352 or 402 frames of history); all of them
+    address the same workspace, so one copy of the union box serves every class.
+    """
+    entry = ctx.shared_workspaces.get(_key(stock))
+    if entry is None:
+        entry = ctx.shared_workspaces[_key(stock)] = {"stock": stock, "bounds": [0] * len(bounds), "users": [],
+                                                    "tensor": None}
+    union = [max(a, b, 1) for a, b in zip(entry["bounds"], bounds)]
+    if union != entry["bounds"]:
+        entry["bounds"] = union
+        if entry["tensor"] is not None:
+            entry.setdefault("stale", []).append(entry["tensor"])
+        entry["tensor"] = stock[tuple(slice(0, b) for b in union)].clone()
+    return register_tensor(gm, "_cf_workspace_", entry["tensor"])
+
+
+def rebind_shared_workspaces(gm: GraphModule, shared: dict[tuple, dict]) -> None:
+    """Point every module of ``gm`` that holds an outgrown workspace copy at the final (union) copy.
+
+    Programs built before a later class grew the box still reference the smaller copy; this runs
+    once all programs exist, before anything is captured.
+    """
+    final = {id(old): e["tensor"] for e in shared.values() for old in e.get("stale", ())}
+    if not final:
+        return
+    for mod in gm.modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and id(buf) in final:
+                mod._buffers[name] = final[id(buf)]
+        for name, val in list(vars(mod).items()):
+            if isinstance(val, torch.Tensor) and id(val) in final:
+                setattr(mod, name, final[id(val)])
+
+
+def _key(t) -> tuple:
+    # the same workspace reaches each exported program as its own tensor object over one storage
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)

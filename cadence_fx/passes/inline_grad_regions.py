@@ -1,0 +1,53 @@
+"""Inline ``wrap_with_set_grad_enabled`` regions: grad mode changes no value of an inference step.
+
+torch.export wraps a ``with torch.no_grad():`` block inside the model (HiFT's sine generator)
+in a higher-order op with its own subgraph. The optimized program runs without autograd, so the
+region is just code; inlining it lets the other passes see inside (a host constant copied to the
+device in there is hoisted like any other).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from cadence_fx.graph_utils import register_tensor
+from cadence_fx.passes import PassContext
+
+
+def inline_grad_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Splice every ``wrap_with_set_grad_enabled`` subgraph into the parent graph."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    graph = gm.graph
+    inlined = 0
+    for node in list(graph.nodes):
+        if hop is None or node.op != "call_function" or node.target is not hop:
+            continue
+        sub = getattr(gm, node.args[1].target)
+        operands = node.args[2:]
+        val_map: dict[Node, object] = {}
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for ph, arg in zip(phs, operands):
+            val_map[ph] = arg
+        with graph.inserting_before(node):
+            for inner in sub.graph.nodes:
+                if inner.op == "get_attr":
+                    attr = register_tensor(gm, "_cf_inlined_", getattr(sub, inner.target))
+                    val_map[inner] = graph.get_attr(attr)
+            result = graph.graph_copy(sub.graph, val_map)
+        outs = result if isinstance(result, (tuple, list)) else (result,)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+            else:
+                user.replace_input_with(node, outs[0] if len(outs) == 1 else node)
+        if not node.users:
+            graph.erase_node(node)
+            inlined += 1
+    graph.eliminate_dead_code()
+    gm.recompile()
+    ctx.record("inline_grad_regions", inlined)
+    return gm
