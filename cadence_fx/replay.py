@@ -286,7 +286,7 @@ class ExactShapeReplay:
         self.pool = pool
         self.clone_outputs = clone_outputs
         # arguments the caller guarantees fn never writes (weights, constants): the probe need not
-        # snapshot them, and a 0-dim CPU constant among them is a launch-time scalar, fine to capture
+        # snapshot them
         self.readonly = frozenset(readonly)
         self.counters = ReplayCounters()
         self.classes: dict[Signature, ClassReport] = {}
@@ -372,8 +372,7 @@ class ExactShapeReplay:
         if self._refused.get(key) == "host_randomness":
             return ClassReport(key, False, "host_randomness")
         foreign = [i for i, a in enumerate(args)
-                   if isinstance(a, torch.Tensor) and a.device.type != self.backend.device_type
-                   and not (i in self.readonly and a.dim() == 0 and a.device.type == "cpu")]
+                   if isinstance(a, torch.Tensor) and a.device.type != self.backend.device_type]
         if foreign:
             return self._refuse(key, "capture_failed", error=f"arguments {foreign} are not on the backend's device")
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):

@@ -155,3 +155,38 @@ def test_cli_plan_prints_catalog(capsys):
     assert main(["plan", "demo"]) == 0
     out = capsys.readouterr().out
     assert "catalog: 3 signature class(es)" in out and "estimator_kv extents: [8, 12, 14]" in out
+
+
+def test_workspace_is_demand_sized_and_shared_across_classes():
+    cfg = DemoConfig()
+    _model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract)
+    copies = {(b.untyped_storage().data_ptr(), tuple(b.shape))
+              for gm in prog.graph_modules() for mod in gm.modules()
+              for name, b in mod._buffers.items() if name.startswith("_cf_workspace_")}
+    # stock (slots=5, capacity=64); demand: the 3 live step slots x the longest in-flight extent (14 + 4)
+    assert copies and {shape for _ptr, shape in copies} == {(cfg.steps, cfg.head + cfg.tail + cfg.chunk, 2 * cfg.dim)}
+    assert len({ptr for ptr, _shape in copies}) == 1, "each catalog class got its own copy"
+
+
+def test_no_grad_block_is_inlined_and_its_host_constant_hoisted():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():  # like HiFT's sine generator
+                harmonics = torch.arange(1, 5, dtype=torch.float64).to(x.dtype)
+                y = x * harmonics
+            return self.lin(y)
+
+    x = torch.randn(2, 4)
+    ep = torch.export.export(M(), (x,))
+    assert [n for n in ep.graph.nodes if "set_grad" in str(n.target)], "export no longer wraps no_grad blocks"
+    prog = cf.optimize(ep, cf.Contract(clocks=(cf.Clock("frame", 1),)))
+    code = prog.graph_modules()[0].code
+    assert "arange" not in code and "wrap_with_set_grad_enabled" not in code
+    assert prog.stats["passes"]["inline_grad_regions"] == 1 and prog.stats["passes"]["hoist_constants"] == 1
+    with torch.no_grad():
+        assert torch.equal(prog(x), ep.module()(x))

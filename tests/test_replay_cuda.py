@@ -239,4 +239,4 @@ def test_g_classes_share_one_pool_and_report_memory():
     assert isinstance(e.backend, CudaGraphBackend)
     print("[replay-cuda] (g) shared pool: graph_bytes per class "
           + ", ".join(f"{r.graph_bytes}" for r in reports)
-          + f"; capture seconds " + ", ".join(f"{r.capture_seconds:.3f}" for r in reports))
+          + "; capture seconds " + ", ".join(f"{r.capture_seconds:.3f}" for r in reports))

@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import torch
 
 PACKAGE = "stepaudio2"
 
