@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Sequence
 
@@ -159,7 +160,7 @@ class OptimizedProgram:
     def runners(self) -> dict[str, Any]:
         """All replay engines, by partition and wrapped invocation."""
         out = {}
-        for key, (_gm, _sites, ctx) in self._programs.items():
+        for _gm, _sites, ctx in self._programs.values():
             for name, runner in ctx.runners.items():
                 out[f"{len(out)}:{name}"] = runner.engine
         return out
@@ -182,8 +183,6 @@ class OptimizedProgram:
         inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
         do not matter for capture, shapes do). Returns the warm-up seconds and per-class reports.
         """
-        import time
-
         t0 = time.perf_counter()
         with self._preserved_state():
             self._capturing = True
