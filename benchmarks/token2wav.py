@@ -293,7 +293,7 @@ def report(rows: list[dict], args) -> None:
                        kernels_per_chunk=r["kernels_per_chunk"], launches_per_chunk=r["launches_per_chunk"],
                        warmup_s=r["warmup_s"], sha256=r["sha256"], bitexact=r["bitexact"], notes=r["notes"],
                        ms=r["ms"]) for r in cells]
-        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, date=str(date.today()),
+        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=env.get("torch", torch.__version__), date=str(date.today()),
                                                    envelope=env, export_s=exp.get("seconds"), cells=result,
                                                    summary=summary), indent=1))
 
