@@ -25,7 +25,9 @@ PIPELINE = (
 
 
 def run_pipeline(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Run every pass in order; passes edit graphs, the code is generated once at the end."""
     for p in PIPELINE:
         gm = p(gm, ctx)
         gm.graph.lint()
+    gm.recompile()
     return gm

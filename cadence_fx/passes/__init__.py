@@ -1,6 +1,7 @@
 """Graph passes. One pass per module, each ``(GraphModule, PassContext) -> GraphModule``.
 
-The order they run in is stated once, in :mod:`cadence_fx.pipeline`.
+The order they run in is stated once, in :mod:`cadence_fx.pipeline`, which also regenerates the
+module's code once after the last pass (a pass edits the graph; only ``partition`` needs current code).
 """
 
 from __future__ import annotations

@@ -85,7 +85,6 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
         state.carry, state.carry_extent = carry, cat_shape[site.axis]
         changed += 1
     graph.eliminate_dead_code()
-    gm.recompile()
     ctx.record("carry_writeback", changed)
     return gm
 

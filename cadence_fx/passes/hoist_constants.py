@@ -68,7 +68,6 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ref.meta = dict(n.meta)
         n.replace_all_uses_with(ref)
     graph.eliminate_dead_code()
-    gm.recompile()
     ctx.record("hoist_constants", len(boundary))
     return gm
 

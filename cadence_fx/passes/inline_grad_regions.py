@@ -48,6 +48,5 @@ def inline_grad_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
             graph.erase_node(node)
             inlined += 1
     graph.eliminate_dead_code()
-    gm.recompile()
     ctx.record("inline_grad_regions", inlined)
     return gm

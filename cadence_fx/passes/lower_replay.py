@@ -30,7 +30,6 @@ def lower_replay(gm: GraphModule, ctx: PassContext) -> GraphModule:
         setattr(gm, node.target, runner)
         ctx.runners[f"{node.target}:{name}"] = runner
         lowered += 1
-    gm.recompile()
     ctx.record("lower_replay", lowered)
     return gm
 

@@ -58,7 +58,8 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if prev_effect is not None:
                 dag.add_edge(prev_effect, n)
             since.append(n)
-    schedule = list(nx.lexicographical_topological_sort(dag, key=lambda n: (order_key[n], compute.index(n))))
+    position = {n: i for i, n in enumerate(compute)}
+    schedule = list(nx.lexicographical_topological_sort(dag, key=lambda n: (order_key[n], position[n])))
     _reorder(graph, schedule)
     part_of: dict[Node, int] = {}
     current, last = -1, object()
@@ -68,7 +69,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
             last = label[n]
         part_of[n] = current
     names = {part_of[n]: label[n] for n in schedule}
-    gm.recompile()
+    gm.recompile()  # split_module reads the module's code, not only its graph
 
     def callback(node: Node) -> int:
         return part_of.get(node, 0)

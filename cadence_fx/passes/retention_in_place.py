@@ -86,7 +86,6 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 graph.call_function(audit, (auditor_node(gm, ctx), name, "retention", dst, expected))
             set_flat_output(graph, site.region.output % len(outs), dst)
     graph.eliminate_dead_code()
-    gm.recompile()
     ctx.record("retention_in_place", copies)
     return gm
 

@@ -48,7 +48,6 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
         ctx.demand[stock] = (shape, tuple(ctx.shared_workspaces[_key(tensor)]["bounds"]))
         shrunk += 1
     graph.lint()
-    gm.recompile()
     ctx.record("shrink_workspace", shrunk)
     return gm
 
