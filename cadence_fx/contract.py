@@ -122,8 +122,9 @@ class Contract:
         regions: the persistent state regions.
         wrap: module paths (as in the exported program's ``nn_module_stack``) whose calls become
             replay partitions. A path wraps every node whose stack contains it.
-        admit: optional predicate on clock values (per call) deciding whether a call may be
-            replayed, e.g. ``lambda c: c["frame"] <= 50``.
+        admit: optional predicate deciding whether a catalog class may be replayed. It receives
+            the clock strides by clock name and the region extents by region name, e.g.
+            ``lambda c: c["frame"] <= 50``; refused classes run eagerly, counted.
         hoist_constants: move host-built constants to device-resident buffers.
     """
 

@@ -72,14 +72,17 @@ class OptimizedProgram:
             rp.name: torch.zeros(_numel(rp.stored_shape), dtype=first_sites[rp.name].dtype,
                                  device=first_sites[rp.name].device)
             for rp in self.plan.regions}
-        self.stats: dict[str, Any] = {"calls": 0, "state_adopted": 0, "state_in_place": 0, "passes": {}}
+        self.stats: dict[str, Any] = {"calls": 0, "state_adopted": 0, "state_in_place": 0, "not_admitted": 0,
+                                      "passes": {}}
         self._programs: dict[tuple, tuple[GraphModule, dict[str, RegionSite], PassContext]] = {}
         shared: dict[int, dict] = {}
+        self._admitted: dict[tuple, bool] = {}
         for ep in exported:
             sites = bind_regions(ep, contract)
+            admitted = self._admit(sites)
             ctx = PassContext(contract=contract, plan=self.plan, sites=sites, region_buffers=self.region_buffers,
                               verify=verify and state, auditor=self.auditor, state_rule=state,
-                              make_runner=self._make_runner if self._backend is not None else None,
+                              make_runner=self._make_runner if self._backend is not None and admitted else None,
                               shared_workspaces=shared)
             # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
             gm = run_pipeline(ep.module(), ctx)
@@ -87,6 +90,7 @@ class OptimizedProgram:
             if key in self._programs:
                 raise ContractError(f"two exported programs share the input signature {key}")
             self._programs[key] = (gm, sites, ctx)
+            self._admitted[key] = admitted
             for k, v in ctx.changed.items():
                 self.stats["passes"][k] = self.stats["passes"].get(k, 0) + v
         for gm, _sites, _ctx in self._programs.values():
@@ -98,6 +102,8 @@ class OptimizedProgram:
         if kwargs:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
         gm, sites, _ctx = self._select(flat)
+        if not self._admitted[self._last_key]:
+            self.stats["not_admitted"] += 1
         for name, site in (sites.items() if self.state_rule else ()):
             i = self._region_index[name]
             flat[i] = self._adopt(name, flat[i], site)
@@ -122,6 +128,7 @@ class OptimizedProgram:
         key = tuple(key)
         hit = self._programs.get(key)
         if hit is not None:
+            self._last_key = key
             return hit
         raise CatalogMiss(f"no exported program covers input signature {key}; the catalog is "
                           f"{[c for c in self.plan.classes]} (export one program per class)")
@@ -145,6 +152,21 @@ class OptimizedProgram:
         view.copy_(arg)
         self.stats["state_adopted"] += 1
         return view
+
+    def _admit(self, sites: dict[str, RegionSite]) -> bool:
+        """The contract's admission predicate on this class's clock values (strides and region extents).
+
+        A class the predicate refuses is never replayed: its calls run eagerly and are counted in
+        ``stats["not_admitted"]`` (a flush with a short last chunk is the usual case).
+        """
+        if self.contract.admit is None:
+            return True
+        values = {c.name: c.stride for c in self.contract.clocks}
+        values.update({name: site.extent for name, site in sites.items()})
+        admitted = bool(self.contract.admit(values))
+        if not admitted:
+            log.warning("class %s refused by the contract's admission predicate: replay off, eager", values)
+        return admitted
 
     # ------------------------------------------------------------------ replay
     def _make_runner(self, fn: torch.nn.Module, *, name: str, aliased: Sequence[int],
@@ -210,7 +232,7 @@ class OptimizedProgram:
         saved = {k: v.clone() for k, v in self.region_buffers.items()}
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        calls = self.stats["calls"]
+        counts = {k: v for k, v in self.stats.items() if isinstance(v, int)}  # warm-up is not traffic
         try:
             yield
         finally:
@@ -219,7 +241,7 @@ class OptimizedProgram:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
-            self.stats["calls"] = calls
+            self.stats.update(counts)
 
     # ------------------------------------------------------------------ introspection
     def region_pointer(self, name: str) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -190,3 +192,22 @@ def test_no_grad_block_is_inlined_and_its_host_constant_hoisted():
     assert prog.stats["passes"]["inline_grad_regions"] == 1 and prog.stats["passes"]["hoist_constants"] == 1
     with torch.no_grad():
         assert torch.equal(prog(x), ep.module()(x))
+
+
+def test_admission_predicate_keeps_refused_classes_eager():
+    from cadence_fx.replay import FakeBackend
+
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    # refuse the pinned class (history at head + tail): it runs eagerly, counted; the others replay
+    contract = dataclasses.replace(contract, admit=lambda c: c["frame"] <= cfg.chunk and c["encoder_kv"] < 14)
+    prog = cf.optimize(eps, contract, replay=FakeBackend())
+    state0 = list(model.initial_state())
+    prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
+    before = prog.counters()
+    refs, opts, _ = run_streams(eps, prog, _inputs(cfg), state0, REGION_OUT, 6)
+    _same(refs, opts, cfg)
+    after = prog.counters()
+    assert prog.stats["not_admitted"] == 4  # calls 3..6 are in the refused class
+    assert after["replays"] - before["replays"] == 2 * 2  # two admitted calls x (encoder, solver)
+    assert after["eager"] == before["eager"] == 0  # refused calls never reach an engine
