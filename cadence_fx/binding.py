@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 from cadence_fx.contract import Contract, ContractError, Region
 
@@ -51,16 +51,6 @@ def _restrict(shape: tuple[int, ...], live: tuple[tuple[int, int], ...]) -> tupl
     for d, n in live:
         out[d] = n
     return tuple(out)
-
-
-def user_input_nodes(gm: GraphModule) -> list[Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def output_values(gm: GraphModule) -> list[object]:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    vals = out.args[0]
-    return list(vals) if isinstance(vals, (list, tuple)) else [vals]
 
 
 def input_names(ep: ExportedProgram) -> list[str]:

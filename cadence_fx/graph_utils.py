@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -86,12 +86,6 @@ def register_tensor(gm: GraphModule, prefix: str, tensor: torch.Tensor) -> str:
 def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
-
-def nodes_between(start: Node, end: Node) -> Iterable[Node]:
-    n = start
-    while n is not end:
-        yield n
-        n = n.next
 
 
 def flat_view(graph: Graph, buf: Node, start: int, shape: Sequence[int]) -> Node:

@@ -18,6 +18,7 @@ from torch.fx import Node
 
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.contract import Contract, ContractError, HeadTail, Region, Ring
+from cadence_fx.graph_utils import view_root
 
 
 def region_extents(region: Region, growth: int, *, max_calls: int = 10_000) -> list[int]:
@@ -111,27 +112,15 @@ class Plan:
         return "\n".join(lines)
 
 
-_VIEW_OPS = {"slice", "select", "alias", "view", "narrow", "detach", "_unsafe_view", "expand"}
-
-
-def _workspace_of(node: Node) -> Node | None:
-    """Follow view ops back from a region output to the buffer it is a view of, if any."""
-    while isinstance(node, Node):
-        if node.op in ("get_attr", "placeholder"):
-            return node
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        if node.op != "call_function" or name not in _VIEW_OPS:
-            return None
-        node = node.args[0]
-    return None
+def _workspace_of(node: object) -> Node | None:
+    """The buffer (placeholder) a region output is a view of, if it is one."""
+    root = view_root(node)
+    return root if root is not None and root.op in ("get_attr", "placeholder") else None
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
 
-
-def _describe(pol: object) -> str:
-    return repr(pol)
 
 
 def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract) -> Plan:
@@ -168,7 +157,7 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
                 demand_shape = _with(static_shape, site.axis, envelope, r.live)
                 demand_bytes = _nbytes(demand_shape, sval.dtype)
         regions.append(RegionPlan(
-            name=r.name, order=r.order, retention=_describe(r.retention), extents=tuple(ext),
+            name=r.name, order=r.order, retention=repr(r.retention), extents=tuple(ext),
             attended=attended, envelope=envelope, leading=leading, stored=stored,
             stored_shape=stored_shape, stored_bytes=_nbytes(stored_shape, site.dtype),
             static_source=static_source, static_shape=static_shape, static_bytes=static_bytes,

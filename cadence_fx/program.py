@@ -14,6 +14,7 @@ from torch.fx import GraphModule
 from cadence_fx.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions, input_names
 from cadence_fx.contract import Contract, ContractError
+from cadence_fx.graph_utils import numel
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces
@@ -69,7 +70,7 @@ class OptimizedProgram:
         self._stock_dims = {name: {d: (n, site.shape[d]) for d, n in site.live}
                             for name, site in first_sites.items() if site.live and state}
         self.region_buffers: dict[str, torch.Tensor] = {
-            rp.name: torch.zeros(_numel(rp.stored_shape), dtype=first_sites[rp.name].dtype,
+            rp.name: torch.zeros(numel(rp.stored_shape), dtype=first_sites[rp.name].dtype,
                                  device=first_sites[rp.name].device)
             for rp in self.plan.regions}
         self.stats: dict[str, Any] = {"calls": 0, "state_adopted": 0, "state_in_place": 0, "not_admitted": 0,
@@ -219,7 +220,7 @@ class OptimizedProgram:
                             ex = torch.zeros(want[1], dtype=want[2], device=device)
                         flat.append(ex)
                     for name, site in (sites.items() if self.state_rule else ()):
-                        flat[self._region_index[name]] = self.region_buffers[name][: _numel(site.live_shape)].view(
+                        flat[self._region_index[name]] = self.region_buffers[name][: numel(site.live_shape)].view(
                             site.live_shape)
                     self(*flat)
             finally:
@@ -283,12 +284,6 @@ def _pick_backend(replay: Replay | Any) -> Any:
         return backend if backend.available() else None
     return replay
 
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _arg_key(a: Any) -> tuple:
