@@ -171,13 +171,13 @@ class OptimizedProgram:
 
     # ------------------------------------------------------------------ replay
     def _make_runner(self, fn: torch.nn.Module, *, name: str, aliased: Sequence[int],
-                     readonly: Sequence[int] = ()) -> ReplayRunner:
+                     readonly: Sequence[int] = (), mutable: Sequence[int] | None = None) -> ReplayRunner:
         from cadence_fx.replay import ExactShapeReplay
 
         if self._pool is None:
             self._pool = self._backend.new_pool()
         engine = ExactShapeReplay(fn, name=name, aliased=aliased, pool=self._pool, backend=self._backend,
-                                  readonly=readonly)
+                                  readonly=readonly, mutable=mutable)
         return ReplayRunner(fn, engine, self)
 
     def runners(self) -> dict[str, Any]:

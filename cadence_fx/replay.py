@@ -41,6 +41,9 @@ _SCALARS = (bool, int, str, type(None), torch.dtype, torch.device, torch.layout,
 _TENSORS = (torch.Tensor, torch.nn.Parameter)  # other subclasses may override ops: not keyed
 _ALIGN = 16  # kernels (vectorized loads, cuBLAS) pick paths by pointer alignment up to 16 bytes
 _WARMUP = 2
+# Snapshots taken to rewind a capture go to host memory from this size on: a capture must not
+# raise the device peak by the size of the state it rewinds (region buffers, workspaces).
+_HOST_SNAPSHOT_BYTES = 1 << 20
 
 
 class ReplayBackend(Protocol):
@@ -93,10 +96,36 @@ class CudaGraphBackend:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(dev), torch.cuda.graph(graph, pool=pool):
-            outputs = fn(*static_args)
+        stream = torch.cuda.current_stream(dev)
+        try:
+            with torch.cuda.device(dev), torch.cuda.graph(graph, pool=pool):
+                outputs = fn(*static_args)
+        except BaseException:
+            _recover_from_failed_capture(dev, stream)
+            raise
         torch.cuda.synchronize(dev)
         return graph.replay, outputs, max(0, torch.cuda.memory_reserved(dev) - before)
+
+
+def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream) -> None:
+    """Undo what a capture that failed mid-way leaves behind.
+
+    When ``capture_end`` raises, ``torch.cuda.graph`` never leaves its stream context (the capture
+    stream stays current) and the default CUDA generator never runs its capture epilogue: it stays
+    in capture mode and every later eager draw fails with "Offset increment outside graph capture
+    encountered unexpectedly". An empty capture runs the prologue/epilogue pair and clears that flag
+    without touching the seed or the offset.
+    """
+    torch.cuda.set_stream(stream)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        empty = torch.cuda.CUDAGraph()
+        with torch.cuda.device(dev), torch.cuda.graph(empty):
+            pass
+    torch.cuda.set_stream(stream)
+    torch.cuda.synchronize(dev)
 
 
 class _SideStream:
@@ -273,11 +302,17 @@ class ExactShapeReplay:
     graph uses them in place (no staging copy) and each call checks their
     ``data_ptr()``. Other tensor arguments are copied into per-class static
     buffers before each replay. Classes are captured only through ``capture``.
+
+    ``mutable``, when given, lists every argument position ``fn`` may write (known from the graph
+    when ``fn`` is a partition); capture then snapshots only those. Without it every tensor argument
+    not in ``readonly`` is snapshotted and compared. 0-dim CPU tensors (constants a device op reads
+    as a scalar) are keyed by value: capture bakes the value, a different value is another class.
     """
 
     def __init__(self, fn: Callable[..., Any], *, name: str, aliased: Sequence[int] = (),
                  pool: object = None, backend: ReplayBackend | None = None,
-                 clone_outputs: bool = True, readonly: Sequence[int] = ()) -> None:
+                 clone_outputs: bool = True, readonly: Sequence[int] = (),
+                 mutable: Sequence[int] | None = None) -> None:
         self.fn = fn
         self.name = name
         self.aliased = tuple(sorted(set(aliased)))
@@ -288,6 +323,7 @@ class ExactShapeReplay:
         # arguments the caller guarantees fn never writes (weights, constants): the probe need not
         # snapshot them
         self.readonly = frozenset(readonly)
+        self.mutable = None if mutable is None else frozenset(mutable)
         self.counters = ReplayCounters()
         self.classes: dict[Signature, ClassReport] = {}
         self._graphs: dict[Signature, _Graph] = {}
@@ -312,6 +348,11 @@ class ExactShapeReplay:
             if type(a) in _TENSORS:
                 if a.layout is not torch.strided or a.is_conj() or a.is_neg() or a.is_quantized:
                     return None
+                if self._host_scalar(a):
+                    if a.requires_grad:
+                        return None
+                    parts.append(("host_scalar", a.dtype, bytes(a.reshape(1).view(torch.uint8).tolist())))
+                    continue
                 # A staged copy would break aliasing with another argument, so refuse it.
                 sp = _storage_ptr(a)
                 if sp and sp in storages and (i not in self.aliased or storages[sp] not in self.aliased):
@@ -371,17 +412,22 @@ class ExactShapeReplay:
             return self._graphs[key].report
         if self._refused.get(key) == "host_randomness":
             return ClassReport(key, False, "host_randomness")
-        foreign = [i for i, a in enumerate(args)
-                   if isinstance(a, torch.Tensor) and a.device.type != self.backend.device_type]
+        foreign = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                   and a.device.type != self.backend.device_type and not self._host_scalar(a)]
         if foreign:
             return self._refuse(key, "capture_failed", error=f"arguments {foreign} are not on the backend's device")
+        written_scalars = [i for i in (self.mutable or ()) if self._host_scalar(args[i])]
+        if written_scalars:  # host work is not captured: a write to a host scalar would happen once
+            return self._refuse(key, "capture_failed", error=f"host scalar arguments {written_scalars} are written")
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             # Replay would hand back outputs detached from the caller's autograd graph.
             return self._refuse(key, "capture_failed", error="autograd is recording; capture under no_grad")
 
         start = time.perf_counter()
-        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in self.readonly}
-        saved = {i: t.clone() for i, t in tensors.items()}
+        # what capture must rewind: the arguments fn writes (known) or may write (not read-only)
+        tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                   and (i in self.mutable if self.mutable is not None else i not in self.readonly)}
+        saved = {i: _snapshot(t) for i, t in tensors.items()}
         versions = {i: _version(t) for i, t in tensors.items()}
         rng = (_host_rng(), self.backend.device_rng_get())
         try:
@@ -390,40 +436,42 @@ class ExactShapeReplay:
             device_changed = not torch.equal(rng[1], self.backend.device_rng_get())
             _flatten(probe_out)
         except Exception as exc:
-            self._restore(rng, tensors, saved, _mutated(tensors, saved, versions) | set(self.aliased) - self.readonly)
+            self._restore(rng, tensors, saved, tensors)
             return self._refuse(key, "capture_failed", error=_describe(exc))
         del probe_out
-        mutated = _mutated(tensors, saved, versions)
-        self._restore(rng, tensors, saved, mutated | set(self.aliased) - self.readonly)
+        mutated = set(tensors) if self.mutable is not None else _mutated(tensors, saved, versions)
+        self._restore(rng, tensors, saved, mutated | set(self.aliased) & set(tensors))
         if host_changed:
             return self._refuse(key, "host_randomness", permanent=True)
 
         static_args = list(args)
         stages: list[_Stage] = []
         try:
-            for i, t in tensors.items():
-                if i not in self.aliased:
+            for i, t in enumerate(args):
+                if isinstance(t, torch.Tensor) and i not in self.aliased:
                     static_args[i], stage = _staging_buffer(i, t)
                     stage.load(t)
                     stages.append(stage)
-            # Staging buffers are reloaded before every replay, so only aliased buffers need restoring.
-            static_saved = {i: saved[i] for i in self.aliased if i not in self.readonly}
-            static_tensors = {i: static_args[i] for i in self.aliased if i not in self.readonly}
+            # Staging buffers are reloaded before every replay, so only aliased buffers need restoring;
+            # warm-up and capture read whatever the buffers hold (values never change a capture), so
+            # they are rewound once, after the capture.
+            static_tensors = {i: static_args[i] for i in self.aliased if i in tensors}
             with self.backend.side_stream():
                 for _ in range(_WARMUP):
                     self.fn(*static_args)
-                    self._restore(rng, static_tensors, static_saved, static_tensors)
+                    self._restore(rng, {}, {}, ())
             if self.pool is None:
                 self.pool = self.backend.new_pool()
             replay, outputs, graph_bytes = self.backend.capture(self.fn, static_args, self.pool)
-            self._restore(rng, static_tensors, static_saved, static_tensors)
+            self._restore(rng, static_tensors, saved, static_tensors)
             static_outputs, rebuild = _flatten(outputs)
         except Exception as exc:
             try:
-                self._restore(rng, tensors, saved, set(self.aliased) - self.readonly)
+                self._restore(rng, tensors, saved, set(self.aliased) & set(tensors))
             except Exception as again:  # a broken capture can leave the stream unusable
                 log.error("%s: could not restore state after failed capture: %r", self.name, again)
             return self._refuse(key, "capture_failed", error=_describe(exc))
+        del saved
 
         staged = tuple(st.index for st in stages)
         owned = {_storage_ptr(args[i]) for i in self.aliased} - {0}
@@ -483,6 +531,9 @@ class ExactShapeReplay:
         for i in which:
             tensors[i].copy_(saved[i])
 
+    def _host_scalar(self, t: torch.Tensor) -> bool:
+        return t.dim() == 0 and t.device.type == "cpu" and self.backend.device_type != "cpu"
+
 
 def _describe(exc: BaseException) -> str:
     # CUDA capture errors surface at capture_end, masking the call that broke the capture.
@@ -493,7 +544,15 @@ def _describe(exc: BaseException) -> str:
 def _mutated(tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],
              versions: dict[int, int | None]) -> set[int]:
     return {i for i, t in tensors.items()
-            if (versions[i] is not None and _version(t) != versions[i]) or not _bits_equal(t, saved[i])}
+            if (versions[i] is not None and _version(t) != versions[i])
+            or not _bits_equal(t.to(saved[i].device), saved[i])}
+
+
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy to rewind ``t`` from: on the host when large, so capture does not raise the device peak."""
+    if t.device.type != "cpu" and t.untyped_storage().nbytes() >= _HOST_SNAPSHOT_BYTES:
+        return t.detach().to("cpu", copy=True)
+    return t.detach().clone()
 
 
 def _version(t: torch.Tensor) -> int | None:

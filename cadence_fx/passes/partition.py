@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import networkx as nx
+import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
@@ -10,6 +11,15 @@ from cadence_fx.graph_utils import is_mutating
 from cadence_fx.passes import PassContext
 
 WRAPPED_PREFIX = "wrapped_"
+
+aten = torch.ops.aten
+# Ops that read device data on the host (a synchronization), which a CUDA graph cannot hold. Inside a
+# wrapped callable they run eagerly between two replayed segments of it. ``istft`` checks its window
+# envelope (the NOLA condition) with a host read every call; the rest return host-decided shapes or values.
+CAPTURE_BREAKERS = frozenset({
+    aten.istft, aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.equal, aten.allclose,
+    aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+})
 
 
 def invocation(node: Node, wrap: tuple[str, ...]) -> str | None:
@@ -31,7 +41,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     graph = gm.graph
     compute = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    label = {n: invocation(n, wrap) for n in compute}
+    label = {n: None if breaks_capture(n) else invocation(n, wrap) for n in compute}
     if not any(label.values()):
         return gm
     first: dict[str, int] = {}
@@ -83,8 +93,25 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 node.meta["cadence_wrapped"] = names[idx]
                 wrapped += 1
     split.meta = dict(getattr(gm, "meta", {}))
+    # split_module builds a plain graph; keep the exported module's pytree calling convention
+    # (a single output stays a tensor, not a 1-tuple)
+    split.graph._codegen = gm.graph._codegen
     ctx.record("partition", wrapped)
     return split
+
+
+def breaks_capture(node: Node) -> bool:
+    """True for a node a CUDA graph cannot hold: a host read of device data, or a copy between the
+    host and the device (0-dim host tensors excepted: device ops read them as scalars)."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and t.overloadpacket in CAPTURE_BREAKERS:
+        return True
+    val = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(val, torch.Tensor):
+        return False
+    inputs = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    devices = {v.device.type for v in inputs if not (v.dim() == 0 and v.device.type == "cpu")}
+    return bool(devices) and len(devices | {val.device.type}) > 1
 
 
 def _is_effect(n: Node) -> bool:

@@ -1,0 +1,102 @@
+"""Partitioning and lowering on CPU (FakeBackend): capture breakers inside a wrapped callable, and
+the write analysis that decides what a capture has to snapshot."""
+
+from __future__ import annotations
+
+import torch
+
+import cadence_fx as cf
+from cadence_fx.passes.lower_replay import _written
+from cadence_fx.passes.partition import breaks_capture
+from cadence_fx.replay import FakeBackend
+
+N_FFT, HOP = 16, 4
+
+
+class Vocoder(torch.nn.Module):
+    """Convolutions, then an inverse STFT (its NOLA check reads the device on the host), then more work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Conv1d(4, 2 * (N_FFT // 2 + 1), 3, padding=1)
+        self.register_buffer("window", torch.hann_window(N_FFT))
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        spec = self.pre(mel)
+        mag, phase = spec.chunk(2, dim=1)
+        pcm = torch.istft(torch.polar(torch.exp(mag), phase), N_FFT, HOP, N_FFT, window=self.window)
+        return torch.tanh(pcm * 0.5).clamp(-0.99, 0.99)
+
+
+class Step(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vocoder = Vocoder()
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        return self.vocoder(mel) * 2
+
+
+def _wrapped_calls(prog: cf.OptimizedProgram) -> list[tuple[str, str]]:
+    gm = prog.graph_modules()[0]
+    return [(n.target, n.meta.get("cadence_wrapped")) for n in gm.graph.nodes if n.op == "call_module"]
+
+
+def test_istft_splits_a_wrapped_callable_into_two_replayed_segments():
+    torch.manual_seed(0)
+    step = Step().eval()
+    mel = torch.randn(1, 4, 12)
+    ep = torch.export.export(step, (mel,))
+    assert any(breaks_capture(n) for n in ep.graph.nodes)
+    contract = cf.Contract(clocks=(cf.Clock("frame", 12),), wrap=("vocoder",))
+    backend = FakeBackend()
+    prog = cf.optimize(ep, contract, replay=backend)
+    calls = _wrapped_calls(prog)
+    wrapped = [c for c in calls if c[1] is not None]
+    assert len(wrapped) == 2 and len({w for _t, w in wrapped}) == 1, calls  # one callable, two segments
+    assert [w is not None for _t, w in calls] == [True, False, True, False]  # istft eager in between; `* 2` after
+    prog.warmup(mel)
+    before = prog.counters()
+    ref = ep.module()
+    for k in range(4):
+        x = torch.randn(1, 4, 12, generator=torch.Generator().manual_seed(k))
+        with torch.no_grad():
+            assert torch.equal(prog(x), ref(x))
+    c = prog.counters()
+    assert c["replays"] - before["replays"] == 2 * 4 and c["eager"] == 0 and backend.captures == 2
+
+
+def test_write_analysis_names_exactly_the_written_arguments():
+    class Part(torch.nn.Module):
+        def forward(self, state, x, w):
+            state.narrow(1, 2, 3).copy_(x @ w)  # a write through a view of argument 0
+            return state.sum(1), w * 2
+
+    ep = torch.export.export(Part(), (torch.zeros(4, 8), torch.randn(4, 2), torch.randn(2, 3)))
+    assert _written(ep.graph_module) == {0}  # a flat ATen graph, as a partition is
+    gm = ep.graph_module
+    gm.add_submodule("anything", torch.nn.Identity())
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        gm.graph.call_module("anything", (next(iter(gm.graph.nodes)),))  # the schema cannot vouch for it
+    assert _written(gm) is None
+
+
+def test_only_written_arguments_are_snapshotted_by_capture():
+    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+
+    cfg = DemoConfig()
+    torch.manual_seed(0)
+    model = StreamingDecoder(cfg).eval()
+    contract = demo_contract(cfg)
+    prog = cf.optimize(export_catalog(model, contract), contract, replay=FakeBackend())
+    engines = prog.runners()
+    assert engines
+    for eng in engines.values():
+        assert eng.mutable is not None
+        sub = eng.fn
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        # every written argument is a region or workspace: never a parameter or a constant
+        for i in eng.mutable:
+            assert i not in eng.readonly
+            assert not phs[i].name.startswith(("p_", "c_")), phs[i].name
