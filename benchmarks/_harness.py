@@ -52,17 +52,18 @@ def gate(rows: list[dict], baseline: str = "B0") -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'cell':<10}{'block':>6}{'p50 ms':>10}{'p95 ms':>10}{'peak MiB':>10}{'kernels':>9}{'launches':>9}"
+    head = (f"{'cell':<12}{'block':>6}{'p50 ms':>10}{'p95 ms':>10}{'peak MiB':>10}{'kernels':>9}{'launches':>9}{'busy ms':>9}"
             f"{'warmup s':>9}{'exact':>7}{'speedup':>9}  notes")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['name']:<10}{r['block']:>6}  failed: {r['error'].strip().splitlines()[-1][:80]}")
+            lines.append(f"{r['name']:<12}{r['block']:>6}  failed: {r['error'].strip().splitlines()[-1][:80]}")
             continue
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else ("-" if r["bitexact"] else "NOT EXACT")
         pk = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "n/a"
         kn = f"{r['kernels_per_chunk']:.0f}" if r.get("kernels_per_chunk") == r.get("kernels_per_chunk") else "n/a"
         la = f"{r['launches_per_chunk']:.0f}" if r.get("launches_per_chunk") == r.get("launches_per_chunk") else "n/a"
-        lines.append(f"{r['name']:<10}{r['block']:>6}{r['p50_ms']:>10.2f}{r['p95_ms']:>10.2f}{pk:>10}{kn:>9}{la:>9}"
+        bz = f"{r['busy_ms']:.1f}" if r.get("busy_ms") == r.get("busy_ms") and r.get("busy_ms") is not None else "n/a"
+        lines.append(f"{r['name']:<12}{r['block']:>6}{r['p50_ms']:>10.2f}{r['p95_ms']:>10.2f}{pk:>10}{kn:>9}{la:>9}{bz:>9}"
                      f"{r.get('warmup_s', 0):>9.2f}{str(r['bitexact']):>7}{sp:>9}  {r.get('notes', '')}")
     return "\n".join(lines)

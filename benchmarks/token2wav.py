@@ -5,23 +5,28 @@
 Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks, the 0.1.2 driver
 (flow chunk + stock trim + stochastic HiFT). Cells:
 
-- ``B0``     the stock eager code as shipped (``flow.inference_chunk`` + trim + HiFT);
-- ``vendor`` the same with the vendor CUDA-graph branch enabled (``scatter_cuda_graph(True)``);
-  the benchmark counts whether it ever fires;
-- ``S``      state rule only (no replay);
+- ``B0``         the stock eager code as shipped (``flow.inference_chunk`` + trim + HiFT);
+- ``vendor``     the same with the vendor CUDA-graph branch enabled as shipped (buckets 30/48/96);
+- ``vendor_live`` the vendor branch re-bucketed to the live estimator call (its padded graph captured
+  for the chunk size the stream uses, padded to the largest history);
+- ``compile``    the stock code with the estimator under ``torch.compile(mode="reduce-overhead")``;
+- ``S``          state rule only (no replay);
 - ``R``/``Rc``   replay at the step / chunk clock without the state rule;
 - ``SR``/``SRc`` both rules.
 
-Every block runs every cell from the same seed and token stream; the last block restores all
-caches from a snapshot mid-stream (a turn boundary). A cell whose PCM bytes differ from B0's in
-the same block is NOT EXACT and gets no speedup. Peak is the allocator's peak over the cell
-(weights, region buffers, workspaces, graphs and staging included).
+Process layout: a ``prepare`` process builds the step from the seed, runs the prompt (the initial
+state) and exports the catalog once (``torch.export.save``, one file per class) into ``--cache``;
+then **every cell runs in a fresh process**: stock cells build the step from the same seed, optimized
+cells load the saved catalog (the way a serving process loads what an export script wrote) and
+``cadence_fx.optimize`` it. Each cell streams ``--blocks`` blocks of ``--chunks`` chunks from the same
+initial state, each block with its own token stream and seed; the last block restores every cache
+from a snapshot mid-stream (a turn boundary). A cell whose PCM bytes differ from B0's in the same
+block is NOT EXACT and gets no speedup.
 
-Process layout: the stock cells run in one fresh process; all optimized cells share one fresh
-process (one export of the catalog serves both clocks). Each optimized cell is built from scratch
-(optimize, warm-up capture of the whole catalog, reported), streams every block, and is torn down
-(program deleted, cache emptied, peak reset) before the next; the stock module's buffers that the
-optimized program does not reference (its workspaces) are released while the cell runs.
+Peak is ``torch.cuda.max_memory_allocated`` from the moment the cell is ready to serve (weights,
+state, workspaces, graph pools, static buffers, warm-up included; building or loading the model and
+``optimize`` excluded, for every cell alike), cumulative over the blocks. The benchmark itself keeps
+the initial state and the snapshot on the host, so they count for no cell.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._harness import table  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
-from cadence_fx.measure import count_launches, peak_mib, sync  # noqa: E402
+from cadence_fx.measure import peak_mib, profile_calls, sync  # noqa: E402
 
+STOCK_CELLS = ("B0", "vendor", "vendor_live", "compile")
 OPT_CELLS = {
     "S": dict(state=True, replay="off", granularity="chunk"),
     "R": dict(state=False, replay="auto", granularity="step"),
@@ -54,33 +60,66 @@ OPT_CELLS = {
     "SRc": dict(state=True, replay="auto", granularity="chunk"),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
+EXPORT_SEED = 99  # token stream the catalog is exported from (not a benchmark block)
 
 
-def _build(args):
-    from cadence_fx.adapters import token2wav as t2w
+# --------------------------------------------------------------------------- building
+def _upstream():
     from cadence_fx.adapters.upstream import load_stepaudio2
 
-    root = Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream")) / "minicpmo-0.1.2"
-    up = load_stepaudio2(root)
+    return load_stepaudio2(Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream")) / "minicpmo-0.1.2")
+
+
+def _build(args, device: str):
+    """The stock step from the benchmark seed, on ``device``; returns (t2w, cfg, step, prompt)."""
+    from cadence_fx.adapters import token2wav as t2w
+
     cfg = t2w.Token2WavConfig.reduced() if args.reduced else t2w.Token2WavConfig()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
-    flow = t2w.build_flow(up, cfg)
-    hift = t2w.build_vocoder(up, cfg)
-    step = t2w.Token2WavStep(flow, hift, cfg, driver="0.1.2").to(device).eval()
-    tokens, mel, spk = (t.to(device) for t in t2w.example_prompt(cfg))
+    up = _upstream()
+    step = t2w.Token2WavStep(t2w.build_flow(up, cfg), t2w.build_vocoder(up, cfg), cfg, driver="0.1.2").to(device).eval()
+    return t2w, cfg, step, tuple(t.to(device) for t in t2w.example_prompt(cfg))
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prepare(args) -> None:
+    """Initial state and the exported catalog, saved to ``args.cache``."""
+    pin_envelope()
+    device = _device()
+    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
     state0 = step.setup(tokens, mel, spk)
-    return t2w, cfg, step, state0, spk, device
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.cpu() for k, v in state0.items()}, cache / "state0.pt")
+    contract = t2w.token2wav_contract(cfg, "step", driver="0.1.2")
+    t0 = time.perf_counter()
+    # the "step" routing installs both the CFM-loop and the estimator proxies: one export serves both clocks
+    eps = t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED), contract, granularity="step")
+    export_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i, ep in enumerate(eps):
+        torch.export.save(ep, cache / f"class{i}.pt2")
+    save_s = time.perf_counter() - t0
+    meta = dict(export_s=export_s, save_s=save_s, classes=len(eps), reduced=args.reduced,
+                state0_sha256=sha256_tensors([state0[k] for k in sorted(state0)]))
+    (cache / "meta.json").write_text(json.dumps(meta))
+    print(f"[prepare] exported {len(eps)} programs in {export_s:.1f} s, saved in {save_s:.1f} s", file=sys.stderr)
 
 
-def _stream(fn, step, state0, fresh, seed: int, restore: bool, profile: bool):
-    """Run one block; return (per-chunk ms, PCM sha256, launches, kernels)."""
+# --------------------------------------------------------------------------- streaming
+def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str, profile: bool):
+    """One block from the host-held initial state; returns (per-chunk ms, PCM sha256, profile)."""
     torch.manual_seed(seed)
-    st = {k: v.clone() for k, v in state0.items()}
+    if device == "cuda":
+        torch.cuda.manual_seed(seed)
+    st = {k: v.to(device) for k, v in state0.items()}
     pcm, ms, snapshot = [], [], None
     for k, f in enumerate(fresh):
         if restore and k == RESTORE_AT:
-            st = {n: t.clone() for n, t in snapshot.items()}  # foreign tensors: a turn boundary
+            st = {n: t.to(device) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
         args = step.next_args(f, st)
         sync()
         t0 = time.perf_counter()
@@ -88,214 +127,294 @@ def _stream(fn, step, state0, fresh, seed: int, restore: bool, profile: bool):
             out = fn(*args)
         sync()
         ms.append((time.perf_counter() - t0) * 1e3)
-        pcm.append(out[0].detach().clone())
+        pcm.append(out[0].detach().cpu())
         st = step.carry(out)
+        del out, args
         if restore and k == RESTORE_SNAPSHOT:
-            snapshot = {n: t.clone() for n, t in st.items()}
-    launches = kernels = float("nan")
+            snapshot = {n: t.cpu() for n, t in st.items()}
+    prof = None
     if profile:  # one extra call after the timed stream, so profiling never distorts a timing
         args = step.next_args(fresh[-1], st)
-        launches, kernels = count_launches(lambda: fn(*args), calls=1)
-    return ms, sha256_tensors(pcm), launches, kernels
+        with torch.no_grad():
+            prof = profile_calls(lambda: fn(*args), calls=1)
+    return ms, sha256_tensors(pcm), prof
 
 
-def _row(name, block, ms, sha, peak, launches, kernels, warm, notes=""):
+def _row(name, block, ms, sha, prof, warm, notes="", **extra):
     xs = sorted(ms)
+    prof = prof or {}
+    nan = float("nan")
     return dict(name=name, block=block, p50_ms=xs[len(xs) // 2], p95_ms=xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))],
-                peak_mib=peak, kernels_per_chunk=kernels, launches_per_chunk=launches, warmup_s=warm, sha256=sha,
-                notes=notes, ms=ms)
+                peak_mib=peak_mib(), kernels_per_chunk=prof.get("kernels", nan), launches_per_chunk=prof.get("launches", nan),
+                busy_ms=prof.get("busy_ms", nan), warmup_s=warm, sha256=sha, notes=notes, ms=ms, **extra)
 
 
-def run_stock(args) -> list[dict]:
-    env = pin_envelope()
-    t2w, cfg, step, state0, spk, device = _build(args)
+def _ready(device: str) -> None:
+    """The cell is built: drop garbage and start counting the peak."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _blocks(args, name, fn, step, state0, spk, device, warm, notes_of=lambda: "", **extra) -> list[dict]:
     rows = []
-    # the envelope check: the stock code must reproduce its own bytes before any comparison
-    fresh = step.fresh(args.chunks, spk, seed=0)
-    a = _stream(step.stock_call, step, state0, fresh, 1000, False, False)[1]
-    b = _stream(step.stock_call, step, state0, fresh, 1000, False, False)[1]
-    rows.append(dict(name="envelope", reproducible=a == b, envelope={k: str(v) for k, v in env.items()},
-                     gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__))
     for block in range(args.blocks):
         fresh = step.fresh(args.chunks, spk, seed=block)
         restore = block == args.blocks - 1
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        ms, sha, la, kn = _stream(step.stock_call, step, state0, fresh, 1000 + block, restore, block == 0)
-        rows.append(_row("B0", block, ms, sha, peak_mib(), la, kn, 0.0, "restore" if restore else ""))
-    if device == "cuda" and "vendor" in args.cells:
-        fires = _vendor_fires(step)
-        fresh = step.fresh(args.chunks, spk, seed=0)
-        torch.cuda.reset_peak_memory_stats()
-        ms, sha, la, kn = _stream(step.stock_call, step, state0, fresh, 1000, False, True)
-        rows.append(_row("vendor", 0, ms, sha, peak_mib(), la, kn, 0.0,
-                         f"vendor graph replays: {fires['n']} (buckets {sorted(step.flow.decoder.estimator.graph_chunk)})"))
+        before = notes_of()
+        ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0)
+        notes = ", ".join(x for x in (notes_of(before), "restore" if restore else "") if x)
+        rows.append(_row(name, block, ms, sha, prof, warm, notes, **extra))
+        print(f"[{name} block {block}] p50 {rows[-1]['p50_ms']:.1f} ms, peak {rows[-1]['peak_mib']} MiB, {notes}",
+              file=sys.stderr, flush=True)
     return rows
 
 
-def _vendor_fires(step) -> dict:
-    """Enable the vendor branch as shipped and count its graph replays."""
+def run_stock_cell(args, name: str) -> list[dict]:
+    env = pin_envelope()
+    device = _device()
+    t2w, cfg, step, (_tokens, _mel, spk) = _build(args, device)
+    state0 = torch.load(Path(args.cache) / "state0.pt")
+    extra: dict = {}
+    fn = step.stock_call
+    warm = 0.0
+    counter = {"n": 0}
+    if name == "B0":
+        # the envelope check: the stock code must reproduce its own bytes before any comparison
+        fresh = step.fresh(args.chunks, spk, seed=0)
+        a = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
+        b = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
+        extra = dict(reproducible=a == b, envelope={k: str(v) for k, v in env.items()},
+                     gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__)
+    elif name == "vendor":
+        t0 = time.perf_counter()
+        step.flow.scatter_cuda_graph(True)
+        warm = time.perf_counter() - t0
+        _count_vendor_replays(step, counter)
+    elif name == "vendor_live":
+        t0 = time.perf_counter()
+        _rebucket_vendor(step, state0, spk, device)
+        warm = time.perf_counter() - t0
+        _count_vendor_replays(step, counter)
+    elif name == "compile":
+        est = step.flow.decoder.estimator
+        est.forward_chunk = torch.compile(est.forward_chunk, mode="reduce-overhead", dynamic=False)
+        t0 = time.perf_counter()
+        # compile and record every history extent the stream meets (three passes over the catalog:
+        # cudagraph trees warm up, then record, before they replay)
+        for rep in range(3):
+            _stream(fn, step, state0, step.fresh(4, spk, seed=EXPORT_SEED + rep), 0, False, device, False)
+        warm = time.perf_counter() - t0
+    _ready(device)
+    if name.startswith("vendor"):
+        buckets = sorted(step.flow.decoder.estimator.graph_chunk)
+        notes_of = lambda before=None: (counter["n"] if before is None else  # noqa: E731
+                                        f"vendor graph replays {counter['n'] - before} (buckets {buckets})")
+    else:
+        notes_of = lambda before=None: "" if before is not None else None  # noqa: E731
+    return _blocks(args, name, fn, step, state0, spk, device, warm, notes_of, **extra)
+
+
+def run_opt_cell(args, name: str) -> list[dict]:
+    import cadence_fx as cf
+
+    pin_envelope()
+    spec = OPT_CELLS[name]
+    device = _device()
+    # the step on the host serves only as the driver (inputs, state carry); the program is the saved catalog
+    t2w, cfg, step, (_tokens, _mel, spk) = _build(args, "cpu")
+    spk = spk.to(device)
+    state0 = torch.load(Path(args.cache) / "state0.pt")
+    contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2")
+    meta = json.loads((Path(args.cache) / "meta.json").read_text())
+    t0 = time.perf_counter()
+    eps = [torch.export.load(Path(args.cache) / f"class{i}.pt2") for i in range(meta["classes"])]
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prog = cf.optimize(eps, contract, replay=spec["replay"], state=spec["state"])
+    optimize_s = time.perf_counter() - t0
+    del eps
+    _ready(device)
+    first = next(iter(step.fresh(1, spk)))
+    warm = prog.warmup(*step.next_args(first, {k: v.to(device) for k, v in state0.items()}))["seconds"]
+
+    def notes_of(before=None):
+        c = prog.counters()
+        if before is None:
+            return c
+        rej = {k: v - before["rejections"].get(k, 0) for k, v in c["rejections"].items()
+               if v - before["rejections"].get(k, 0)}
+        return f"replays {c['replays'] - before['replays']}, eager {c['eager'] - before['eager']}" + (f" {rej}" if rej else "")
+
+    rows = _blocks(args, name, prog, step, state0, spk, device, warm, notes_of,
+                   load_s=load_s, optimize_s=optimize_s, shared_mib=prog.shared_bytes / 2**20,
+                   passes=prog.stats["passes"])
+    reports = {k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
+                        staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
+                   for r in eng.classes.values()] + [dict(refused=reason) for reason in set(eng._refused.values())]
+               for k, eng in prog.runners().items()}
+    rows[-1]["capture_reports"] = reports
+    return rows
+
+
+def _count_vendor_replays(step, counter: dict) -> None:
     dit = step.flow.decoder.estimator
-    step.flow.scatter_cuda_graph(True)
-    fires = {"n": 0}
 
     class Counting:
         def __init__(self, g):
             self.g = g
 
         def replay(self):
-            fires["n"] += 1
+            counter["n"] += 1
             self.g.replay()
 
     for k in list(dit.graph_chunk):
         dit.graph_chunk[k] = Counting(dit.graph_chunk[k])
-    return fires
 
 
-def run_opt(args) -> list[dict]:
-    import cadence_fx as cf
+def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
+    """Give the vendor branch one bucket at the live estimator call size, padded to the longest history.
 
-    pin_envelope()
-    t2w, cfg, step, state0, spk, device = _build(args)
-    t0 = time.perf_counter()
-    contracts = {g: t2w.token2wav_contract(cfg, g, driver="0.1.2") for g in ("chunk", "step")}
-    # the "step" routing installs both the CFM-loop and the estimator proxies, so one export
-    # serves both clocks; the contract's wrap list picks the granularity
-    eps = t2w.export_step_catalog(step, state0, step.fresh(len(cf.call_classes(contracts["step"])), spk, seed=99),
-                                  contracts["step"], granularity="step")
-    export_s = time.perf_counter() - t0
-    print(f"exported {len(eps)} programs in {export_s:.1f} s", file=sys.stderr, flush=True)
-    rows = []
-    cells = [c for c in args.cells.split(",") if c in OPT_CELLS]
-    freed: list = []
-    for name in cells:
-        spec = OPT_CELLS[name]
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        for buf, nbytes, saved in freed:  # the exported programs still name the stock buffers
-            buf.untyped_storage().resize_(nbytes)
-            buf.copy_(saved)
-        t1 = time.perf_counter()
-        prog = cf.optimize(eps, contracts[spec["granularity"]], replay=spec["replay"], state=spec["state"])
-        optimize_s = time.perf_counter() - t1
-        freed = _release_unreferenced(step, prog)
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        # one program per cell, captured once; every block streams through it from the block's seed
-        warm = prog.warmup(*step.next_args(step.fresh(1, spk)[0], state0))["seconds"]
-        for block in range(args.blocks):
-            fresh = step.fresh(args.chunks, spk, seed=block)
-            restore = block == args.blocks - 1
-            before = prog.counters()
-            ms, sha, la, kn = _stream(prog, step, state0, fresh, 1000 + block, restore, block == 0)
-            c = prog.counters()
-            notes = (f"replays {c['replays'] - before['replays']}, eager {c['eager'] - before['eager']} "
-                     f"{c['rejections'] or ''}" + (", restore" if restore else ""))
-            rows.append(_row(name, block, ms, sha, peak_mib(), la, kn, warm, notes))
-            rows[-1]["passes"] = prog.stats["passes"]
-            rows[-1]["optimize_s"] = optimize_s
-            print(f"[{name} block {block}] p50 {rows[-1]['p50_ms']:.1f} ms peak {rows[-1]['peak_mib']} {notes} "
-                  f"(optimize {optimize_s:.1f} s, warm-up {warm:.1f} s)", file=sys.stderr, flush=True)
-        del prog
-        if args.out:  # written after every cell: a run cut short still reports what it measured
-            Path(args.out).write_text(json.dumps(rows + [dict(name="export", seconds=export_s)]))
-    rows.append(dict(name="export", seconds=export_s))
-    return rows
-
-
-def _release_unreferenced(step, prog) -> list:
-    """Free the stock module's buffers that no optimized program references (its workspaces).
-
-    The optimized program owns demand-sized copies; in a deployment the stock module would be
-    dropped after export. Only storages no graph attribute of ``prog`` points at are released.
+    The vendor's own ``blocks_forward_chunk`` is captured on static buffers laid out the way its
+    padded branch fills them (mask and attention cache padded to ``max_size``); the sizes are read
+    from one real estimator call, so nothing is hard-coded. At run time the vendor's code decides,
+    copies and replays, exactly as it does for its shipped buckets.
     """
-    used = set()
-    for gm in prog.graph_modules():
-        for mod in gm.modules():
-            for t in list(mod._buffers.values()) + list(mod._parameters.values()):
-                if isinstance(t, torch.Tensor):
-                    used.add(t.untyped_storage().data_ptr())
-    freed = []
-    for _name, buf in step.named_buffers():
-        storage = buf.untyped_storage()
-        if storage.data_ptr() not in used and storage.nbytes() > 1 << 20:
-            freed.append((buf, storage.nbytes(), buf.detach().to("cpu", copy=True)))
-            storage.resize_(0)
-    return freed
+    dit = step.flow.decoder.estimator
+    seen: dict = {}
+    original = dit.blocks_forward_chunk
+
+    def spy(x, t, mask, cnn_cache, att_cache, cnn_buf, att_buf):
+        seen.setdefault("args", (x, t, cnn_cache, att_cache))
+        return original(x, t, mask, cnn_cache, att_cache, cnn_buf, att_buf)
+
+    dit.blocks_forward_chunk = spy
+    try:
+        _stream(step.stock_call, step, state0, step.fresh(3, spk, seed=EXPORT_SEED), 0, False, device, False)
+    finally:
+        del dit.blocks_forward_chunk
+    x, t, cnn_cache, att_cache = seen["args"]
+    chunk = x.shape[2]  # x arrives as (batch, channels, frames)
+    max_size = step.cfg.prompt_frames + step.cfg.history_frames  # the longest history the trim leaves
+    f32 = dict(dtype=x.dtype, device=x.device)
+    static_x, static_t = torch.zeros_like(x), torch.zeros_like(t)
+    static_mask = torch.ones(x.shape[0], chunk, max_size + chunk, dtype=torch.bool, device=x.device)
+    static_cnn = torch.zeros_like(cnn_cache)
+    att_shape = list(att_cache.shape)
+    att_shape[-2] = max_size
+    static_att = torch.zeros(att_shape, **f32)
+    new_cnn = torch.zeros_like(cnn_cache)
+    new_att = torch.zeros(att_shape[:-2] + [max_size + chunk, att_shape[-1]], **f32)
+    static_in = [static_x, static_t, static_mask, static_cnn, static_att]
+    with torch.no_grad():
+        original(*static_in, new_cnn, new_att)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = original(*static_in, new_cnn, new_att)
+    dit.inference_buffers_chunk[chunk] = {"static_inputs": static_in, "static_outputs": [out, new_cnn, new_att]}
+    dit.graph_chunk[chunk] = graph
+    dit.max_size_chunk[chunk] = max_size
+    dit.use_cuda_graph = True
 
 
+# --------------------------------------------------------------------------- driver
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--chunks", type=int, default=24)
-    ap.add_argument("--cells", default="B0,vendor,S,R,Rc,SR,SRc")
+    ap.add_argument("--cells", default="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
+    ap.add_argument("--cache", default=str(ROOT / "build" / "token2wav-catalog"),
+                    help="where the prepare step saves the initial state and the exported catalog")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--group", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", default=None, help="also append every cell's raw rows to this file (JSON lines)")
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--merge", nargs="*", default=None, help="print the table of saved group results")
+    ap.add_argument("--merge", nargs="*", default=None, help="print the table of saved raw rows (JSON lines files)")
     args = ap.parse_args()
-    if args.group:
-        rows = run_stock(args) if args.group == "stock" else run_opt(args)
+    if args.prepare:
+        prepare(args)
+        return
+    if args.one:
+        rows = run_stock_cell(args, args.one) if args.one in STOCK_CELLS else run_opt_cell(args, args.one)
         Path(args.out).write_text(json.dumps(rows))
         return
     rows: list[dict] = []
     if args.merge is not None:
         for f in args.merge:
-            rows += json.loads(Path(f).read_text())
+            rows += [json.loads(line) for line in Path(f).read_text().splitlines() if line.strip()]
         report(rows, args)
         return
-    passthrough = ["--blocks", str(args.blocks), "--chunks", str(args.chunks), "--cells", args.cells]
-    passthrough += ["--reduced"] if args.reduced else []
-    for group in ("stock", "opt"):
+    common = ["--blocks", str(args.blocks), "--chunks", str(args.chunks), "--cache", args.cache]
+    common += ["--reduced"] if args.reduced else []
+    if not (Path(args.cache) / "meta.json").exists():
+        subprocess.run([sys.executable, __file__, "--prepare", *common], check=True)
+    meta = json.loads((Path(args.cache) / "meta.json").read_text())
+    rows.append(dict(name="export", seconds=meta["export_s"], save_s=meta["save_s"]))
+    for cell in [c for c in args.cells.split(",") if c]:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
-            proc = subprocess.run([sys.executable, __file__, "--group", group, "--out", str(out), *passthrough],
+            proc = subprocess.run([sys.executable, __file__, "--one", cell, "--out", str(out), *common],
                                   capture_output=True, text=True)
-            sys.stderr.write(proc.stderr[-4000:])
-            if proc.returncode != 0:
-                print(f"group {group} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", file=sys.stderr)
-                continue
-            rows += json.loads(out.read_text())
+            sys.stderr.write(proc.stderr[-3000:])
+            if proc.returncode != 0 or not out.exists():
+                print(f"cell {cell} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", file=sys.stderr)
+                new = [dict(name=cell, block=0, error=(proc.stdout + proc.stderr)[-3000:])]
+            else:
+                new = json.loads(out.read_text())
+        rows += new
+        if args.rows:
+            with open(args.rows, "a") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in new)
     report(rows, args)
 
 
 def report(rows: list[dict], args) -> None:
     """Gate exactness against B0 per block, print the table and the per-cell summary, save JSON."""
-    cells = [r for r in rows if "p50_ms" in r]
-    base = {r["block"]: r for r in cells if r["name"] == "B0"}
+    cells = [r for r in rows if "p50_ms" in r or "error" in r]
+    base = {r["block"]: r for r in cells if r["name"] == "B0" and "error" not in r}
     for r in cells:
         b = base.get(r["block"])
-        r["bitexact"] = b is not None and r["sha256"] == b["sha256"]
-        r["speedup"] = b["p50_ms"] / r["p50_ms"] if r["bitexact"] and r["name"] != "B0" else (
-            1.0 if r["name"] == "B0" else None)
-    env = next((r for r in rows if r["name"] == "envelope"), {})
+        r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
+        r["speedup"] = (b["p50_ms"] / r["p50_ms"] if r["bitexact"] and r["name"] != "B0"
+                        else (1.0 if r["name"] == "B0" else None))
+    env = next((r for r in rows if r.get("envelope")), {})
     exp = next((r for r in rows if r["name"] == "export"), {})
-    gpu = next((r["gpu"] for r in rows if r.get("gpu")), None) or (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    gpu = env.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     print(f"Token2Wav {'reduced' if args.reduced else 'released'} sizes, {args.blocks} blocks x {args.chunks} chunks, "
-          f"{gpu}, torch {env.get('torch', torch.__version__)}, {date.today()}; baseline reproduces itself under the envelope: "
-          f"{env.get('reproducible')}; export of the catalog: {exp.get('seconds', float('nan')):.1f} s")
+          f"{gpu}, torch {env.get('torch', torch.__version__)}, {date.today()}; baseline reproduces itself under the "
+          f"envelope: {env.get('reproducible')}; export of the catalog: {exp.get('seconds', float('nan')):.1f} s")
     print(table(cells))
     summary = {}
     for name in dict.fromkeys(r["name"] for r in cells):
-        rs = [r for r in cells if r["name"] == name]
-        summary[name] = dict(p50_ms=sorted(r["p50_ms"] for r in rs)[len(rs) // 2],
-                             peak_mib=max((r["peak_mib"] or 0) for r in rs),
-                             bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}")
-    print("per-cell medians over blocks:", json.dumps(summary))
+        rs = [r for r in cells if r["name"] == name and "error" not in r]
+        if not rs:
+            summary[name] = dict(error=True)
+            continue
+        exact = all(r["bitexact"] for r in rs)
+        p50 = sorted(r["p50_ms"] for r in rs)[len(rs) // 2]
+        summary[name] = dict(p50_ms=p50, peak_mib=max((r["peak_mib"] or 0) for r in rs),
+                             warmup_s=rs[0].get("warmup_s"), bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}",
+                             speedup=(summary.get("B0", {}).get("p50_ms", float("nan")) / p50) if exact and name != "B0"
+                             else None)
+    b0 = summary.get("B0", {})
+    for name, s in summary.items():
+        if b0.get("peak_mib") and s.get("peak_mib"):
+            s["peak_vs_B0"] = s["peak_mib"] / b0["peak_mib"] - 1
+    print("per-cell medians over blocks (speedup only where every block is bit-exact):")
+    print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        result = [dict(name=r["name"], block=r["block"], p50_ms=r["p50_ms"], p95_ms=r["p95_ms"], peak_mib=r["peak_mib"],
-                       kernels_per_chunk=r["kernels_per_chunk"], launches_per_chunk=r["launches_per_chunk"],
-                       warmup_s=r["warmup_s"], sha256=r["sha256"], bitexact=r["bitexact"], notes=r["notes"],
-                       ms=r["ms"]) for r in cells]
-        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=env.get("torch", torch.__version__), date=str(date.today()),
-                                                   envelope=env, export_s=exp.get("seconds"), cells=result,
-                                                   summary=summary), indent=1))
+        keep = ("name", "block", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk", "busy_ms",
+                "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "optimize_s", "load_s",
+                "capture_reports")
+        result = [{k: r[k] for k in keep if k in r} for r in cells]
+        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=env.get("torch", torch.__version__),
+                                                   date=str(date.today()), envelope=env.get("envelope"),
+                                                   reproducible=env.get("reproducible"), export_s=exp.get("seconds"),
+                                                   cells=result, summary=summary), indent=1))
 
 
 if __name__ == "__main__":

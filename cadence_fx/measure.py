@@ -57,8 +57,16 @@ def time_stream(step: Callable[[int], Sequence[torch.Tensor]], calls: int, *, em
 
 def count_launches(fn: Callable[[], Any], *, calls: int = 1) -> tuple[float, float]:
     """(host launch API calls, device kernels) per call of ``fn``, read with the torch profiler."""
+    p = profile_calls(fn, calls=calls)
+    return p["launches"], p["kernels"]
+
+
+def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
+    """Per call of ``fn``: host launch API calls, device kernels, and device busy time (the sum of
+    kernel durations, ms: the floor a launch-free schedule of the same kernels could reach)."""
+    nan = float("nan")
     if not torch.cuda.is_available():
-        return float("nan"), float("nan")
+        return {"launches": nan, "kernels": nan, "busy_ms": nan}
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -67,13 +75,15 @@ def count_launches(fn: Callable[[], Any], *, calls: int = 1) -> tuple[float, flo
             fn()
         sync()
     launches = kernels = 0
+    busy_us = 0.0
     for ev in prof.events():
         if ev.name in _LAUNCH_APIS:
             launches += 1
         elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name \
                 and "Memset" not in ev.name:
             kernels += 1
-    return launches / calls, kernels / calls
+            busy_us += ev.time_range.elapsed_us()
+    return {"launches": launches / calls, "kernels": kernels / calls, "busy_ms": busy_us / 1e3 / calls}
 
 
 def peak_mib(reset: bool = False) -> float | None:

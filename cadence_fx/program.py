@@ -13,6 +13,7 @@ from torch.fx import GraphModule
 
 from cadence_fx.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions, input_names
+from cadence_fx.catalog import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
 from cadence_fx.graph_utils import numel
 from cadence_fx.pipeline import run_pipeline
@@ -59,6 +60,8 @@ class OptimizedProgram:
                  replay: Replay | Any, state: bool = True) -> None:
         self.contract = contract
         self.state_rule = state
+        # programs saved and loaded separately carry one copy of the weights each: fold them into one
+        self.shared_bytes = share_catalog_tensors(exported)
         self.plan: Plan = make_plan(exported, contract)
         self.auditor = Auditor() if verify else None
         self._capturing = False
@@ -96,6 +99,7 @@ class OptimizedProgram:
                 self.stats["passes"][k] = self.stats["passes"].get(k, 0) + v
         for gm, _sites, _ctx in self._programs.values():
             rebind_shared_workspaces(gm, shared)
+        self._workspaces = [e["tensor"] for e in shared.values()]
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -230,15 +234,17 @@ class OptimizedProgram:
 
     @contextmanager
     def _preserved_state(self) -> Iterator[None]:
-        saved = {k: v.clone() for k, v in self.region_buffers.items()}
+        # copies on the host: warm-up must not raise the device peak by the size of the state
+        state = list(self.region_buffers.values()) + self._workspaces
+        saved = {i: t.to("cpu", copy=True) for i, t in enumerate(state)}
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         counts = {k: v for k, v in self.stats.items() if isinstance(v, int)}  # warm-up is not traffic
         try:
             yield
         finally:
-            for k, v in saved.items():
-                self.region_buffers[k].copy_(v)
+            for i, v in saved.items():
+                state[i].copy_(v)
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)

@@ -211,3 +211,26 @@ def test_admission_predicate_keeps_refused_classes_eager():
     assert prog.stats["not_admitted"] == 4  # calls 3..6 are in the refused class
     assert after["replays"] - before["replays"] == 2 * 2  # two admitted calls x (encoder, solver)
     assert after["eager"] == before["eager"] == 0  # refused calls never reach an engine
+
+
+def test_saved_and_loaded_catalog_shares_one_copy_of_the_weights(tmp_path):
+    """A catalog saved and loaded program by program comes back with one weight copy per program;
+    optimize folds the copies into one and the stream stays bit-exact."""
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    for i, ep in enumerate(eps):
+        torch.export.save(ep, tmp_path / f"class{i}.pt2")
+    loaded = [torch.export.load(tmp_path / f"class{i}.pt2") for i in range(len(eps))]
+    name = next(iter(loaded[0].state_dict))
+    ptrs = {ep.state_dict[name].data_ptr() for ep in loaded}
+    assert len(ptrs) == len(eps)  # one copy each, as loaded
+    reference = [torch.export.load(tmp_path / f"class{i}.pt2") for i in range(len(eps))]
+    prog = cf.optimize(loaded, contract)
+    weights = sum(t.untyped_storage().nbytes() for t in loaded[0].state_dict.values())
+    assert prog.shared_bytes >= (len(eps) - 1) * weights > 0
+    assert len({ep.state_dict[name].data_ptr() for ep in loaded}) == 1
+    for gm in prog.graph_modules()[1:]:  # every class program runs on the first program's tensors
+        assert {p.data_ptr() for p in gm.parameters()} <= {p.data_ptr() for p in prog.graph_modules()[0].parameters()}
+    refs, opts, _ = run_streams(reference, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 8)
+    _same(refs, opts, cfg)
+    assert sha256([t for o in refs for t in live_view(o, {2: {0: cfg.steps}})]) == sha256([t for o in opts for t in o])

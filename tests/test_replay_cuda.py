@@ -240,3 +240,75 @@ def test_g_classes_share_one_pool_and_report_memory():
     print("[replay-cuda] (g) shared pool: graph_bytes per class "
           + ", ".join(f"{r.graph_bytes}" for r in reports)
           + "; capture seconds " + ", ".join(f"{r.capture_seconds:.3f}" for r in reports))
+
+
+def test_f2_capture_failing_after_device_draws_leaves_the_generator_usable():
+    """A capture that fails mid-way after drawing device randomness: the generator and the current
+    stream are recovered, later eager draws work and the stream equals a run that never captured."""
+    def noisy_then_sync(x, w1, w2):
+        h, s = noisy(x, w1, w2)
+        return h / float(s.abs().max() + 1)             # host sync after the draws: the capture breaks
+
+    w1, w2 = weights()
+    xs = [inputs(16, i) for i in range(4)]
+    e = ExactShapeReplay(noisy_then_sync, name="noisy_then_sync")
+    stream0 = torch.cuda.current_stream()
+    torch.manual_seed(3)
+    state = torch.cuda.get_rng_state()
+    report = e.capture(xs[0], w1, w2)
+    assert not report.admitted and report.reason == "capture_failed"
+    assert torch.cuda.current_stream() == stream0 and torch.equal(torch.cuda.get_rng_state(), state)
+
+    def stream(call):
+        torch.manual_seed(77)
+        outs = [call(x, w1, w2) for x in xs] + [torch.randn(5, device=dev())]
+        return sha256_tensors(outs), torch.cuda.get_rng_state()
+
+    a, b = stream(e), stream(noisy_then_sync)
+    assert a[0] == b[0] and torch.equal(a[1], b[1])
+    assert e.counters.rejections["capture_failed"] == len(xs)
+    ok = ExactShapeReplay(noisy, name="after_rng_failure")
+    assert ok.capture(xs[0], w1, w2).admitted  # device-RNG graphs still capture
+    print(f"[replay-cuda] (f2) capture failed after device draws ({report.error[:50]}...): stream, generator "
+          f"and later captures intact")
+
+
+def test_h_host_scalar_constant_is_keyed_by_value():
+    def masked(x, c):
+        out = x.clone()
+        out[:, 0].fill_(c)                               # a 0-dim host tensor read as a scalar
+        return out * 2
+
+    x = inputs(16, 0)
+    c = torch.tensor(0.25)
+    e = ExactShapeReplay(masked, name="host_scalar", aliased=(1,), readonly=(1,))
+    report = e.capture(x, c)
+    assert report.admitted, report
+    for i in range(5):
+        xi = inputs(16, i)
+        assert torch.equal(e(xi, c), masked(xi, c))
+    assert e.counters.replays == 5
+    other = torch.tensor(0.5)
+    assert torch.equal(e(x, other), masked(x, other))  # another value: another class, eager
+    assert e.counters.rejections["signature_miss"] == 1
+    print("[replay-cuda] (h) 0-dim host constant: replayed 5/5 bit-exact, a different value is a signature miss")
+
+
+def test_i_istft_inside_a_wrapped_callable_runs_between_replayed_segments():
+    import cadence_fx as cf
+    from tests.test_partition import Step
+
+    torch.manual_seed(0)
+    step = Step().to(dev()).eval()
+    mel = torch.randn(1, 4, 12, device=dev())
+    ep = torch.export.export(step, (mel,))
+    prog = cf.optimize(ep, cf.Contract(clocks=(cf.Clock("frame", 12),), wrap=("vocoder",)))
+    prog.warmup(mel)
+    ref = ep.module()
+    for k in range(10):
+        x = torch.randn(1, 4, 12, device=dev())
+        with torch.no_grad():
+            assert torch.equal(prog(x), ref(x)), k
+    c = prog.counters()
+    assert c["captures"] == 2 and c["eager"] == 0 and c["replays"] >= 20, c
+    print(f"[replay-cuda] (i) istft between two replayed segments: 10/10 bit-exact, counters {c}")

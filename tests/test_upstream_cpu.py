@@ -203,8 +203,10 @@ def test_full_step_0_1_2(cfg):
     snapshot = {k: v.clone() for k, v in step.carry(plain[0]).items()}
     prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=True, restore={4: snapshot}, seed=11)
     assert ref[4][step.state["estimator_att"]].shape[4] == cfg.prompt_frames + 2 * cfg.chunk_frames
-    for names in wrapped_invocations(prog):  # chunk clock: encoder, the whole CFM loop, the vocoder
-        assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder"], names
+    # chunk clock: encoder, the whole CFM loop, the vocoder in two segments (its istft checks the window
+    # envelope on the host every call, so it runs eagerly between them)
+    for names in wrapped_invocations(prog):
+        assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder", "vocoder"], names
     assert all(torch.equal(a, b) for x, y in zip(ref[:4], plain[:4]) for a, b in zip(x, y))
     assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
 
