@@ -115,11 +115,11 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
     torch.manual_seed(seed)
     if device == "cuda":
         torch.cuda.manual_seed(seed)
-    st = {k: v.to(device) for k, v in state0.items()}
+    st = {k: v.to(device, copy=True) for k, v in state0.items()}
     pcm, ms, snapshot = [], [], None
     for k, f in enumerate(fresh):
         if restore and k == RESTORE_AT:
-            st = {n: t.to(device) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
+            st = {n: t.to(device, copy=True) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
         args = step.next_args(f, st)
         sync()
         t0 = time.perf_counter()
@@ -127,11 +127,11 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
             out = fn(*args)
         sync()
         ms.append((time.perf_counter() - t0) * 1e3)
-        pcm.append(out[0].detach().cpu())
+        pcm.append(out[0].detach().to("cpu", copy=True))
         st = step.carry(out)
         del out, args
         if restore and k == RESTORE_SNAPSHOT:
-            snapshot = {n: t.cpu() for n, t in st.items()}
+            snapshot = {n: t.to("cpu", copy=True) for n, t in st.items()}
     prof = None
     if profile:  # one extra call after the timed stream, so profiling never distorts a timing
         args = step.next_args(fresh[-1], st)
