@@ -14,14 +14,16 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
 - ``R``/``Rc``   replay at the step / chunk clock without the state rule;
 - ``SR``/``SRc`` both rules.
 
-Process layout: a ``prepare`` process builds the step from the seed, runs the prompt (the initial
-state) and exports the catalog once (``torch.export.save``, one file per class) into ``--cache``;
-then **every cell runs in a fresh process**: stock cells build the step from the same seed, optimized
-cells load the saved catalog (the way a serving process loads what an export script wrote) and
-``cadence_fx.optimize`` it. Each cell streams ``--blocks`` blocks of ``--chunks`` chunks from the same
-initial state, each block with its own token stream and seed; the last block restores every cache
-from a snapshot mid-stream (a turn boundary). A cell whose PCM bytes differ from B0's in the same
-block is NOT EXACT and gets no speedup.
+Process layout: **every cell runs in a fresh process**. Each builds the step from the benchmark seed
+and runs the prompt (the initial state); optimized cells then export the catalog (one static-shape
+program per class) and ``cadence_fx.optimize`` it, and the stock module's buffers the optimized
+program does not use (its workspaces) are freed, as a deployment drops the stock module after export.
+Each cell streams ``--blocks`` blocks of ``--chunks`` chunks from the same initial state, each block
+with its own token stream and seed; the last block restores every cache from a snapshot mid-stream (a
+turn boundary). A cell whose PCM bytes differ from B0's in the same block is NOT EXACT and gets no
+speedup. ``--lanes 2`` runs two queues of cells side by side, one GPU each (``CUDA_VISIBLE_DEVICES``);
+every lane runs its own B0 and each cell is gated against the B0 of its own lane (the report also
+checks that the lanes' B0 bytes agree).
 
 Peak is ``torch.cuda.max_memory_allocated`` from the moment the cell is ready to serve (weights,
 state, workspaces, graph pools, static buffers, warm-up included; building or loading the model and
@@ -83,30 +85,6 @@ def _build(args, device: str):
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def prepare(args) -> None:
-    """Initial state and the exported catalog, saved to ``args.cache``."""
-    pin_envelope()
-    device = _device()
-    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
-    state0 = step.setup(tokens, mel, spk)
-    cache = Path(args.cache)
-    cache.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.cpu() for k, v in state0.items()}, cache / "state0.pt")
-    contract = t2w.token2wav_contract(cfg, "step", driver="0.1.2")
-    t0 = time.perf_counter()
-    # the "step" routing installs both the CFM-loop and the estimator proxies: one export serves both clocks
-    eps = t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED), contract, granularity="step")
-    export_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for i, ep in enumerate(eps):
-        torch.export.save(ep, cache / f"class{i}.pt2")
-    save_s = time.perf_counter() - t0
-    meta = dict(export_s=export_s, save_s=save_s, classes=len(eps), reduced=args.reduced,
-                state0_sha256=sha256_tensors([state0[k] for k in sorted(state0)]))
-    (cache / "meta.json").write_text(json.dumps(meta))
-    print(f"[prepare] exported {len(eps)} programs in {export_s:.1f} s, saved in {save_s:.1f} s", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- streaming
@@ -174,9 +152,9 @@ def _blocks(args, name, fn, step, state0, spk, device, warm, notes_of=lambda: ""
 def run_stock_cell(args, name: str) -> list[dict]:
     env = pin_envelope()
     device = _device()
-    t2w, cfg, step, (_tokens, _mel, spk) = _build(args, device)
-    state0 = torch.load(Path(args.cache) / "state0.pt")
-    extra: dict = {}
+    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
+    state0 = {k: v.cpu() for k, v in step.setup(tokens, mel, spk).items()}
+    extra: dict = {"lane": args.lane}
     fn = step.stock_call
     warm = 0.0
     counter = {"n": 0}
@@ -222,22 +200,29 @@ def run_opt_cell(args, name: str) -> list[dict]:
     pin_envelope()
     spec = OPT_CELLS[name]
     device = _device()
-    # the step on the host serves only as the driver (inputs, state carry); the program is the saved catalog
-    t2w, cfg, step, (_tokens, _mel, spk) = _build(args, "cpu")
-    spk = spk.to(device)
-    state0 = torch.load(Path(args.cache) / "state0.pt")
+    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
+    state0 = step.setup(tokens, mel, spk)
     contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2")
-    meta = json.loads((Path(args.cache) / "meta.json").read_text())
     t0 = time.perf_counter()
-    eps = [torch.export.load(Path(args.cache) / f"class{i}.pt2") for i in range(meta["classes"])]
-    load_s = time.perf_counter() - t0
+    # the "step" routing installs both the CFM-loop and the estimator proxies: one export serves both clocks
+    eps = t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED),
+                                  t2w.token2wav_contract(cfg, "step", driver="0.1.2"), granularity="step")
+    export_s = time.perf_counter() - t0
+    state0 = {k: v.cpu() for k, v in state0.items()}
     t0 = time.perf_counter()
     prog = cf.optimize(eps, contract, replay=spec["replay"], state=spec["state"])
     optimize_s = time.perf_counter() - t0
     del eps
+    released = _release_unreferenced(step, prog)
     _ready(device)
-    first = next(iter(step.fresh(1, spk)))
-    warm = prog.warmup(*step.next_args(first, {k: v.to(device) for k, v in state0.items()}))["seconds"]
+    memory = {"after_optimize_mib": torch.cuda.memory_allocated() / 2**20 if device == "cuda" else None,
+              "released_stock_mib": released / 2**20}
+    # only the per-call inputs: warm-up captures on views of the region buffers, no state is needed
+    first = step.fresh(1, spk)[0]
+    warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
+    if device == "cuda":
+        memory.update(after_warmup_mib=torch.cuda.memory_allocated() / 2**20,
+                      warmup_peak_mib=torch.cuda.max_memory_allocated() / 2**20, **_census(prog))
 
     def notes_of(before=None):
         c = prog.counters()
@@ -247,15 +232,60 @@ def run_opt_cell(args, name: str) -> list[dict]:
                if v - before["rejections"].get(k, 0)}
         return f"replays {c['replays'] - before['replays']}, eager {c['eager'] - before['eager']}" + (f" {rej}" if rej else "")
 
-    rows = _blocks(args, name, prog, step, state0, spk, device, warm, notes_of,
-                   load_s=load_s, optimize_s=optimize_s, shared_mib=prog.shared_bytes / 2**20,
-                   passes=prog.stats["passes"])
+    rows = _blocks(args, name, prog, step, state0, spk, device, warm, notes_of, lane=args.lane,
+                   export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory)
     reports = {k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
                         staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
                    for r in eng.classes.values()] + [dict(refused=reason) for reason in set(eng._refused.values())]
                for k, eng in prog.runners().items()}
     rows[-1]["capture_reports"] = reports
     return rows
+
+
+def _release_unreferenced(step, prog) -> int:
+    """Free the stock module's buffers no optimized graph uses (its workspaces); returns the bytes.
+
+    The cell never calls the stock module again (it only drives inputs and state), and a deployment
+    drops the stock module once the program is built. Parameters are shared with the program.
+    """
+    used = set()
+    for gm in prog.graph_modules():
+        for t in list(gm.parameters()) + list(gm.buffers()):
+            used.add(t.untyped_storage().data_ptr())
+    freed = 0
+    for _name, buf in step.named_buffers():
+        storage = buf.untyped_storage()
+        if storage.data_ptr() not in used and storage.nbytes():
+            freed += storage.nbytes()
+            storage.resize_(0)
+    return freed
+
+
+def _census(prog) -> dict:
+    """Where the optimized program's device memory is: weights, state, workspaces, graphs and staging."""
+    seen: dict[int, tuple[str, int]] = {}
+
+    def add(kind: str, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st.device.type == "cuda" and st.data_ptr() not in seen:
+            seen[st.data_ptr()] = (kind, st.nbytes())
+
+    for t in prog.region_buffers.values():
+        add("regions", t)
+    for t in prog._workspaces:
+        add("workspaces", t)
+    for gm in prog.graph_modules():
+        for t in gm.parameters():
+            add("parameters", t)
+        for t in gm.buffers():
+            add("buffers_and_constants", t)
+    out: dict[str, float] = {}
+    for kind, nbytes in seen.values():
+        out[f"{kind}_mib"] = out.get(f"{kind}_mib", 0.0) + nbytes / 2**20
+    reports = [r for eng in prog.runners().values() for r in eng.classes.values()]
+    out["graph_pool_reserved_mib"] = sum(r.graph_bytes for r in reports) / 2**20
+    out["staging_mib"] = sum(r.staging_bytes for r in reports) / 2**20
+    return out
 
 
 def _count_vendor_replays(step, counter: dict) -> None:
@@ -323,20 +353,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--chunks", type=int, default=24)
-    ap.add_argument("--cells", default="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc")
+    ap.add_argument("--cells", default="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc",
+                    help="cells in order; with --lanes, lanes separated by '/' (e.g. B0,SRc/B0,S)")
+    ap.add_argument("--lanes", type=int, default=1, help="run lanes of cells side by side, one GPU each")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
-    ap.add_argument("--cache", default=str(ROOT / "build" / "token2wav-catalog"),
-                    help="where the prepare step saves the initial state and the exported catalog")
     ap.add_argument("--json", default=None)
     ap.add_argument("--rows", default=None, help="also append every cell's raw rows to this file (JSON lines)")
-    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lane", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--merge", nargs="*", default=None, help="print the table of saved raw rows (JSON lines files)")
     args = ap.parse_args()
-    if args.prepare:
-        prepare(args)
-        return
     if args.one:
         rows = run_stock_cell(args, args.one) if args.one in STOCK_CELLS else run_opt_cell(args, args.one)
         Path(args.out).write_text(json.dumps(rows))
@@ -347,45 +374,61 @@ def main() -> None:
             rows += [json.loads(line) for line in Path(f).read_text().splitlines() if line.strip()]
         report(rows, args)
         return
-    common = ["--blocks", str(args.blocks), "--chunks", str(args.chunks), "--cache", args.cache]
-    common += ["--reduced"] if args.reduced else []
-    if not (Path(args.cache) / "meta.json").exists():
-        subprocess.run([sys.executable, __file__, "--prepare", *common], check=True)
-    meta = json.loads((Path(args.cache) / "meta.json").read_text())
-    rows.append(dict(name="export", seconds=meta["export_s"], save_s=meta["save_s"]))
-    for cell in [c for c in args.cells.split(",") if c]:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rows.json"
-            proc = subprocess.run([sys.executable, __file__, "--one", cell, "--out", str(out), *common],
-                                  capture_output=True, text=True)
-            sys.stderr.write(proc.stderr[-3000:])
-            if proc.returncode != 0 or not out.exists():
-                print(f"cell {cell} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", file=sys.stderr)
-                new = [dict(name=cell, block=0, error=(proc.stdout + proc.stderr)[-3000:])]
-            else:
-                new = json.loads(out.read_text())
-        rows += new
-        if args.rows:
-            with open(args.rows, "a") as fh:
-                fh.writelines(json.dumps(r) + "\n" for r in new)
+    lanes = args.cells.split("/")
+    if len(lanes) != args.lanes:
+        lanes = [args.cells] if args.lanes == 1 else ap.error("--lanes N needs N '/'-separated lanes in --cells")
+    common = ["--blocks", str(args.blocks), "--chunks", str(args.chunks)] + (["--reduced"] if args.reduced else [])
+    import threading
+
+    lock = threading.Lock()
+
+    def run_lane(lane: int, cells: str) -> None:
+        env = dict(os.environ)
+        if args.lanes > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(lane)
+        for cell in [c for c in cells.split(",") if c]:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "rows.json"
+                proc = subprocess.run([sys.executable, __file__, "--one", cell, "--lane", str(lane), "--out", str(out),
+                                       *common], capture_output=True, text=True, env=env)
+                if proc.returncode != 0 or not out.exists():
+                    new = [dict(name=cell, block=0, lane=lane, error=(proc.stdout + proc.stderr)[-3000:])]
+                else:
+                    new = json.loads(out.read_text())
+            with lock:
+                sys.stderr.write("".join(line + "\n" for line in proc.stderr.splitlines()
+                                         if line.startswith("[") or "Error" in line)[-3000:])
+                rows.extend(new)
+                if args.rows:
+                    with open(args.rows, "a") as fh:
+                        fh.writelines(json.dumps(r) + "\n" for r in new)
+
+    threads = [threading.Thread(target=run_lane, args=(i, cells)) for i, cells in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     report(rows, args)
 
 
 def report(rows: list[dict], args) -> None:
     """Gate exactness against B0 per block, print the table and the per-cell summary, save JSON."""
     cells = [r for r in rows if "p50_ms" in r or "error" in r]
-    base = {r["block"]: r for r in cells if r["name"] == "B0" and "error" not in r}
+    base = {(r.get("lane", 0), r["block"]): r for r in cells if r["name"] == "B0" and "error" not in r}
+    lanes_agree = len({(b, r["sha256"]) for (_l, b), r in base.items()}) == len({b for _l, b in base})
     for r in cells:
-        b = base.get(r["block"])
+        b = base.get((r.get("lane", 0), r["block"])) or next(
+            (v for (_l, blk), v in base.items() if blk == r["block"]), None)
         r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
         r["speedup"] = (b["p50_ms"] / r["p50_ms"] if r["bitexact"] and r["name"] != "B0"
                         else (1.0 if r["name"] == "B0" else None))
     env = next((r for r in rows if r.get("envelope")), {})
-    exp = next((r for r in rows if r["name"] == "export"), {})
+    exp = next((r for r in cells if r.get("export_s")), {})
     gpu = env.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     print(f"Token2Wav {'reduced' if args.reduced else 'released'} sizes, {args.blocks} blocks x {args.chunks} chunks, "
           f"{gpu}, torch {env.get('torch', torch.__version__)}, {date.today()}; baseline reproduces itself under the "
-          f"envelope: {env.get('reproducible')}; export of the catalog: {exp.get('seconds', float('nan')):.1f} s")
+          f"envelope: {env.get('reproducible')}; lanes' B0 bytes agree: {lanes_agree}; export of the catalog: "
+          f"{exp.get('export_s', float('nan')):.1f} s")
     print(table(cells))
     summary = {}
     for name in dict.fromkeys(r["name"] for r in cells):
@@ -407,13 +450,14 @@ def report(rows: list[dict], args) -> None:
     print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        keep = ("name", "block", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk", "busy_ms",
-                "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "optimize_s", "load_s",
-                "capture_reports")
+        keep = ("name", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
+                "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "optimize_s",
+                "memory", "capture_reports")
         result = [{k: r[k] for k in keep if k in r} for r in cells]
         Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=env.get("torch", torch.__version__),
                                                    date=str(date.today()), envelope=env.get("envelope"),
-                                                   reproducible=env.get("reproducible"), export_s=exp.get("seconds"),
+                                                   reproducible=env.get("reproducible"), lanes_b0_agree=lanes_agree,
+                                                   export_s=exp.get("export_s"),
                                                    cells=result, summary=summary), indent=1))
 
 

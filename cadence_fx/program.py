@@ -100,6 +100,9 @@ class OptimizedProgram:
         for gm, _sites, _ctx in self._programs.values():
             rebind_shared_workspaces(gm, shared)
         self._workspaces = [e["tensor"] for e in shared.values()]
+        for e in shared.values():  # the program must not keep the stock workspaces or outgrown copies alive
+            e.pop("stock", None)
+            e.pop("stale", None)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,8 +219,12 @@ class OptimizedProgram:
             try:
                 for pkey, (_gm, sites, _ctx) in self._programs.items():
                     flat = []
+                    regions = {self._region_index[name] for name in sites} if self.state_rule else set()
                     for i, want in enumerate(pkey):
                         ex = example_args[i] if i < len(example_args) else None
+                        if i in regions:  # replaced by a view of the region buffer below: allocate nothing
+                            flat.append(None)
+                            continue
                         if want[0] == "T" and (not isinstance(ex, torch.Tensor) or _arg_key(ex) != want):
                             device = ex.device if isinstance(ex, torch.Tensor) else next(
                                 iter(self.region_buffers.values())).device

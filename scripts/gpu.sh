@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call: install the carried wheels (the machine has no package index), then run
 #   scripts/gpu.sh tests            the CUDA tests (pytest -m cuda)
-#   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process (the catalog is exported
-#                                   once into build/ and reused by later calls while the machine is warm)
+#   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process
+#   LANES=2 scripts/gpu.sh cells B0,SRc/B0,S   two lanes side by side, one GPU each (nvidia-h200-x2)
 # Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ OUT="${OUT:-.out}"
 mkdir -p "$OUT"
 case "${1:-}" in
   tests) python3 -m pytest -q -m cuda tests/ -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu-tests.log" ;;
-  cells) python3 benchmarks/token2wav.py --blocks 4 --chunks 24 --cells "$2" --rows "$OUT/rows.jsonl" \
+  cells) python3 benchmarks/token2wav.py --blocks 4 --chunks 24 --lanes "${LANES:-1}" --cells "$2" --rows "$OUT/rows.jsonl" \
            --json "$OUT/token2wav-partial.json" 2>&1 | tee -a "$OUT/bench.log" ;;
   *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...]" >&2; exit 2 ;;
 esac
