@@ -18,7 +18,7 @@ from cadence_fx.contract import Contract, ContractError
 from cadence_fx.graph_utils import numel
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.passes import PassContext
-from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces
+from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
 from cadence_fx.plan import Plan, plan as make_plan
 
 log = logging.getLogger("cadence_fx")
@@ -100,9 +100,7 @@ class OptimizedProgram:
         for gm, _sites, _ctx in self._programs.values():
             rebind_shared_workspaces(gm, shared)
         self._workspaces = [e["tensor"] for e in shared.values()]
-        for e in shared.values():  # the program must not keep the stock workspaces or outgrown copies alive
-            e.pop("stock", None)
-            e.pop("stale", None)
+        release_stale_workspaces(shared)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -234,3 +234,33 @@ def test_saved_and_loaded_catalog_shares_one_copy_of_the_weights(tmp_path):
     refs, opts, _ = run_streams(reference, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 8)
     _same(refs, opts, cfg)
     assert sha256([t for o in refs for t in live_view(o, {2: {0: cfg.steps}})]) == sha256([t for o in opts for t in o])
+
+
+def test_optimize_keeps_one_workspace_copy_alive():
+    """Catalog classes grow the shared workspace copy one after another; the outgrown copies are freed."""
+    import gc
+    import weakref
+
+    import cadence_fx.passes.shrink_workspace as sw
+
+    made = []
+    original = sw._shared_copy
+
+    def spy(gm, ctx, stock, bounds):
+        name = original(gm, ctx, stock, bounds)
+        made.append(weakref.ref(getattr(gm, name)))
+        return name
+
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg)
+    sw._shared_copy = spy
+    try:
+        prog = cf.optimize(eps, contract)
+    finally:
+        sw._shared_copy = original
+    gc.collect()
+    alive = {id(t): t for t in (r() for r in made) if t is not None}
+    holding = [t for t in alive.values() if t.untyped_storage().nbytes() > 0]
+    assert len(holding) == 1 and holding[0] is prog._workspaces[0]
+    refs, opts, _ = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 6)
+    _same(refs, opts, cfg)

@@ -89,6 +89,21 @@ def rebind_shared_workspaces(gm: GraphModule, shared: dict[tuple, dict]) -> None
                 setattr(mod, name, final[id(val)])
 
 
+def release_stale_workspaces(shared: dict[tuple, dict]) -> int:
+    """Free the outgrown copies once every program points at the union copy; returns the bytes freed.
+
+    The passes' intermediate modules (the graph before partitioning) can outlive the pipeline and
+    still name an outgrown copy; the copies are ours (clones), so their storage is released outright.
+    """
+    freed = 0
+    for e in shared.values():
+        for old in e.pop("stale", ()):
+            freed += old.untyped_storage().nbytes()
+            old.untyped_storage().resize_(0)
+        e.pop("stock", None)  # the stock workspace belongs to the user's module, not to the program
+    return freed
+
+
 def _key(t) -> tuple:
     # the same workspace reaches each exported program as its own tensor object over one storage
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
