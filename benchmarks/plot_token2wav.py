@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(src: str, dst: str, cells: tuple[str, ...] = ("B0", "SRc", "compile")) -> None:
+def main(src: str, dst: str, cells: tuple[str, ...] = ("B0", "SRc", "SR", "compile")) -> None:
     data = json.load(open(src))
     fig, ax = plt.subplots(figsize=(8, 4))
     for name in cells:

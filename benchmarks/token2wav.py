@@ -370,8 +370,8 @@ def main() -> None:
         return
     rows: list[dict] = []
     if args.merge is not None:
-        for f in args.merge:
-            rows += [json.loads(line) for line in Path(f).read_text().splitlines() if line.strip()]
+        for run, f in enumerate(args.merge):  # rows of separate runs are gated against their own run's B0
+            rows += [dict(json.loads(line), run=run) for line in Path(f).read_text().splitlines() if line.strip()]
         report(rows, args)
         return
     lanes = args.cells.split("/")
@@ -414,11 +414,11 @@ def main() -> None:
 def report(rows: list[dict], args) -> None:
     """Gate exactness against B0 per block, print the table and the per-cell summary, save JSON."""
     cells = [r for r in rows if "p50_ms" in r or "error" in r]
-    base = {(r.get("lane", 0), r["block"]): r for r in cells if r["name"] == "B0" and "error" not in r}
-    lanes_agree = len({(b, r["sha256"]) for (_l, b), r in base.items()}) == len({b for _l, b in base})
+    base = {(r.get("run", 0), r.get("lane", 0), r["block"]): r for r in cells if r["name"] == "B0" and "error" not in r}
+    lanes_agree = len({(b, r["sha256"]) for (_r, _l, b), r in base.items()}) == len({b for _r, _l, b in base})
     for r in cells:
-        b = base.get((r.get("lane", 0), r["block"])) or next(
-            (v for (_l, blk), v in base.items() if blk == r["block"]), None)
+        b = base.get((r.get("run", 0), r.get("lane", 0), r["block"])) or next(
+            (v for (_r, _l, blk), v in base.items() if blk == r["block"]), None)
         r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
         r["speedup"] = (b["p50_ms"] / r["p50_ms"] if r["bitexact"] and r["name"] != "B0"
                         else (1.0 if r["name"] == "B0" else None))
@@ -450,7 +450,7 @@ def report(rows: list[dict], args) -> None:
     print(json.dumps(summary, indent=1))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        keep = ("name", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
+        keep = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
                 "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "optimize_s",
                 "memory", "capture_reports")
         result = [{k: r[k] for k in keep if k in r} for r in cells]
