@@ -94,9 +94,12 @@ class PointerLog:
             assert seen == {self.prog.region_pointer(name)}, f"region {name!r} moved: {seen}"
 
 
-def check_optimized(step, contract, eps, state, fresh, *, verify: bool, restore=None, seed: int = 0):
+def check_optimized(step, contract, eps, state, fresh, *, verify: bool, restore=None, seed: int = 0,
+                    replay="auto", warmup: bool = False):
     """Optimize, stream reference and optimized side by side, check everything; returns both streams."""
-    prog = cf.optimize(eps, contract, verify=verify)
+    prog = cf.optimize(eps, contract, verify=verify, replay=replay)
+    if warmup:
+        prog.warmup(*[fresh[0].get(n) for n in step.inputs])
     ref = CatalogReference(eps)
     torch.manual_seed(seed)  # the 0.1.2 HiFT draws random numbers: both runs draw the same ones
     r = run_stream(ref, step, state, fresh, restore=restore)
@@ -209,6 +212,29 @@ def test_full_step_0_1_2(cfg):
         assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder", "vocoder"], names
     assert all(torch.equal(a, b) for x, y in zip(ref[:4], plain[:4]) for a, b in zip(x, y))
     assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
+
+
+def test_step_clock_replays_each_solver_step_on_views_of_the_region(cfg):
+    """0.1.2 at the step clock through the fake replay backend: each solver step's cache slice, cut
+    by the eager CFM loop between two replayed partitions, is a view of the region buffer; it is
+    passed in place (aliased, pointer-checked), not staged, and the stream stays bit-exact."""
+    from cadence_fx.replay import FakeBackend
+
+    up = upstream("0.1.2")
+    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    ptok, pmel, spk = example_prompt(cfg)
+    state = step.setup(ptok, pmel, spk)
+    fresh = step.fresh(CALLS, spk, seed=7)
+    contract = token2wav_contract(cfg, "step", driver="0.1.2")
+    eps = export_step_catalog(step, state, fresh, contract, granularity="step")
+    prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
+                                       replay=FakeBackend(), warmup=True)
+    estimators = {k: e for k, e in prog.runners().items() if ".estimator" in k}
+    assert len(estimators) == 3 * cfg.n_timesteps
+    for eng in estimators.values():
+        assert eng.counters.eager == 0 and eng.counters.invalidations == 0 and eng.counters.replays > 0
+        # only the step's inputs (x, t, mu, spks, cond: a few KiB) are staged, never a cache
+        assert all(r.staging_bytes < 64 << 10 for r in eng.classes.values()), [r.staging_bytes for r in eng.classes.values()]
 
 
 def test_full_step_1_0_7(cfg):

@@ -7,7 +7,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.graph_utils import is_mutating, view_root
+from cadence_fx.graph_utils import flat_outputs, is_mutating, view_root
 from cadence_fx.passes import PassContext
 
 
@@ -22,13 +22,14 @@ def lower_replay(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if node.op != "call_module" or name is None:
             continue
         # Parameters, buffers, hoisted constants and region buffers live at fixed addresses for the
-        # program's lifetime: the graph uses them in place (checked by pointer), never staged.
-        aliased = [i for i, a in enumerate(node.args)
-                   if isinstance(a, Node) and (root := view_root(a)) is not None
-                   and (root.op == "get_attr" or root.name in owned)]
+        # program's lifetime: the graph uses them in place (checked by pointer), never staged. Views
+        # of them made in another partition (a solver step's cache slice cut by the eager loop) too.
+        roots = {i: _fixed_root(gm, a) for i, a in enumerate(node.args) if isinstance(a, Node)}
+        aliased = [i for i, root in roots.items()
+                   if root is not None and (root.op == "get_attr" or root.name in owned)]
         sub = getattr(gm, node.target)
         written = _written(sub)
-        readonly = [i for i in aliased if written is not None and i not in written and _is_constant(node.args[i])]
+        readonly = [i for i in aliased if written is not None and i not in written and _is_constant(roots[i])]
         runner = ctx.make_runner(sub, name=f"{name}", aliased=aliased, readonly=readonly,
                                  mutable=None if written is None else sorted(written))
         if runner is None:
@@ -67,7 +68,30 @@ def _written(sub: GraphModule) -> set[int] | None:
     return {i for i, ph in enumerate(phs) if ph in written}
 
 
-def _is_constant(arg: Node) -> bool:
-    """Parameters, buffers and hoisted constants; not region buffers or workspaces (state)."""
+def _fixed_root(gm: GraphModule, arg: Node) -> Node | None:
+    """The node ``arg`` is a view of, followed through views and through partitions' outputs.
+
+    An output of a partition that is a view of one of that partition's arguments continues at the
+    argument passed in; anything else (a fresh tensor a partition computed) ends the walk.
+    """
     root = view_root(arg)
-    return root is not None and root.op == "get_attr" and not str(root.target).startswith(("_cf_region_", "_cf_workspace_"))
+    while root is not None and root.op == "call_function" and root.target is operator.getitem \
+            and isinstance(root.args[0], Node) and root.args[0].op == "call_module":
+        call, index = root.args[0], root.args[1]
+        sub = getattr(gm, call.target)
+        graph = getattr(sub, "fn", sub).graph  # a replay runner wraps its partition
+        outs = flat_outputs(graph)
+        inner = view_root(outs[index]) if isinstance(index, int) and index < len(outs) else None
+        if inner is None or inner.op != "placeholder":
+            return inner if inner is not None and inner.op == "get_attr" else root
+        phs = [n for n in graph.nodes if n.op == "placeholder"]
+        outer = call.args[phs.index(inner)] if phs.index(inner) < len(call.args) else None
+        if not isinstance(outer, Node):
+            return root
+        root = view_root(outer)
+    return root
+
+
+def _is_constant(root: Node) -> bool:
+    """Parameters, buffers and hoisted constants; not region buffers or workspaces (state)."""
+    return root.op == "get_attr" and not str(root.target).startswith(("_cf_region_", "_cf_workspace_"))
