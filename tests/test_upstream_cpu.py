@@ -181,16 +181,22 @@ def test_encoder_1_0_7_trim_is_not_one_region(cfg):
 
 
 # --------------------------------------------------------------------------- (c) the full step
+def full_step_0_1_2(cfg, granularity: str, *, seed: int):
+    """The 0.1.2 step with HiFT from the prompt, its contract at ``granularity`` and its exported catalog."""
+    up = upstream("0.1.2")
+    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    prompt = example_prompt(cfg)
+    state = step.setup(*prompt)
+    fresh = step.fresh(CALLS, prompt[2], seed=seed)
+    contract = token2wav_contract(cfg, granularity, driver="0.1.2")
+    eps = export_step_catalog(step, state, fresh, contract, granularity=granularity)
+    return step, prompt, state, fresh, contract, eps
+
+
 def test_full_step_0_1_2(cfg):
     """Flow chunk + both trims + HiFT (mel/source/speech caches, fade, device randomness), chunk clock,
     verify mode, and a mid-stream rollback to an earlier snapshot (foreign tensors copied in)."""
-    up = upstream("0.1.2")
-    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
-    ptok, pmel, spk = example_prompt(cfg)
-    state = step.setup(ptok, pmel, spk)
-    fresh = step.fresh(CALLS, spk, seed=5)
-    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
-    eps = export_step_catalog(step, state, fresh, contract, granularity="chunk")
+    step, (ptok, pmel, spk), state, fresh, contract, eps = full_step_0_1_2(cfg, "chunk", seed=5)
     assert len(eps) == 3
 
     torch.manual_seed(11)
@@ -220,13 +226,7 @@ def test_step_clock_replays_each_solver_step_on_views_of_the_region(cfg):
     passed in place (aliased, pointer-checked), not staged, and the stream stays bit-exact."""
     from cadence_fx.replay import FakeBackend
 
-    up = upstream("0.1.2")
-    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
-    ptok, pmel, spk = example_prompt(cfg)
-    state = step.setup(ptok, pmel, spk)
-    fresh = step.fresh(CALLS, spk, seed=7)
-    contract = token2wav_contract(cfg, "step", driver="0.1.2")
-    eps = export_step_catalog(step, state, fresh, contract, granularity="step")
+    step, _prompt, state, fresh, contract, eps = full_step_0_1_2(cfg, "step", seed=7)
     prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
                                        replay=FakeBackend(), warmup=True)
     estimators = {k: e for k, e in prog.runners().items() if ".estimator" in k}
