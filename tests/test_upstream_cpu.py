@@ -285,3 +285,17 @@ def test_plan_released_dimensions():
     assert est.over_reservation == pytest.approx(16 * 1000 / (10 * 452))
     assert list(est.extents) == [302, 352, 402]
     assert "3.54x over-reserved" in text
+
+
+# --------------------------------------------------------------------------- (e) the example script
+def test_token2wav_example_streams_bit_identical(capsys):
+    """examples/token2wav.py (what a user's export script does) at reduced size: stock and optimized
+    PCM streams have the same SHA-256."""
+    upstream("0.1.2")  # skips when the upstream release is not installed
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("token2wav_example", REPO / "examples" / "token2wav.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--reduced", "--chunks", "4"]) is True
+    assert "bit-identical        : True" in capsys.readouterr().out
