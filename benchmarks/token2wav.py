@@ -12,7 +12,8 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
 - ``compile``    the stock code with the estimator under ``torch.compile(mode="reduce-overhead")``;
 - ``S``          state rule only (no replay);
 - ``R``/``Rc``   replay at the step / chunk clock without the state rule;
-- ``SR``/``SRc`` both rules.
+- ``SR``/``SRc`` both rules;
+- ``SRcs``       both rules at the chunk clock, the CFM loop captured as one graph per solver step.
 
 Process layout: **every cell runs in a fresh process**. Each builds the step from the benchmark seed
 and runs the prompt (the initial state); optimized cells then export the catalog (one static-shape
@@ -60,6 +61,8 @@ OPT_CELLS = {
     "Rc": dict(state=False, replay="auto", granularity="chunk"),
     "SR": dict(state=True, replay="auto", granularity="step"),
     "SRc": dict(state=True, replay="auto", granularity="chunk"),
+    # the chunk clock with the CFM loop captured as one graph per solver step (Contract.split_at)
+    "SRcs": dict(state=True, replay="auto", granularity="chunk", step_segments=True),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
 EXPORT_SEED = 99  # token stream the catalog is exported from (not a benchmark block)
@@ -202,7 +205,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
     device = _device()
     t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
     state0 = step.setup(tokens, mel, spk)
-    contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2")
+    contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2",
+                                      step_segments=spec.get("step_segments", False))
     t0 = time.perf_counter()
     # the "step" routing installs both the CFM-loop and the estimator proxies: one export serves both clocks
     eps = t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED),
@@ -353,7 +357,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--chunks", type=int, default=24)
-    ap.add_argument("--cells", default="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc",
+    ap.add_argument("--cells", default="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc,SRcs",
                     help="cells in order; with --lanes, lanes separated by '/' (e.g. B0,SRc/B0,S)")
     ap.add_argument("--lanes", type=int, default=1, help="run lanes of cells side by side, one GPU each")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")

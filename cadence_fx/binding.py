@@ -114,9 +114,14 @@ def _check_wrap_paths(ep: ExportedProgram, contract: Contract) -> None:
     seen: set[str] = set()
     for n in ep.graph.nodes:
         seen.update(module_paths(n))
-    for w in contract.wrap:
-        if w not in seen:
-            near = sorted(p for p in seen if p and (w in p or p in w))[:5]
-            raise ContractError(f"Contract.wrap: {w!r} matches no node's nn_module_stack"
-                                + (f"; close paths: {near}" if near else "")
-                                + " (a module entered through a method other than __call__ is not recorded)")
+    for field_name, paths in (("wrap", contract.wrap), ("split_at", contract.split_at)):
+        for w in paths:
+            _check_path(field_name, w, seen)
+
+
+def _check_path(field_name: str, w: str, seen: set[str]) -> None:
+    if w not in seen:
+        near = sorted(p for p in seen if p and (w in p or p in w))[:5]
+        raise ContractError(f"Contract.{field_name}: {w!r} matches no node's nn_module_stack"
+                            + (f"; close paths: {near}" if near else "")
+                            + " (a module entered through a method other than __call__ is not recorded)")

@@ -126,6 +126,11 @@ class Contract:
             the clock strides by clock name and the region extents by region name, e.g.
             ``lambda c: c["frame"] <= 50``; refused classes run eagerly, counted.
         hoist_constants: move host-built constants to device-resident buffers.
+        split_at: module paths inside a wrapped callable whose every invocation starts a new graph
+            of that callable's partition (the clock stays the wrapped callable's: the segments are
+            captured, keyed and replayed together per call). A graph's launch costs host time that
+            grows with its node count; segments at the solver steps of a 10,000-node CFM loop let
+            each launch overlap the previous segment's execution.
     """
 
     clocks: tuple[Clock, ...]
@@ -133,6 +138,7 @@ class Contract:
     wrap: tuple[str, ...] = ()
     admit: Callable[[Mapping[str, int]], bool] | None = None
     hoist_constants: bool = True
+    split_at: tuple[str, ...] = ()
 
     def clock(self, name: str) -> Clock:
         for c in self.clocks:

@@ -220,17 +220,24 @@ def test_full_step_0_1_2(cfg):
     assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
 
 
-def test_step_clock_replays_each_solver_step_on_views_of_the_region(cfg):
-    """0.1.2 at the step clock through the fake replay backend: each solver step's cache slice, cut
-    by the eager CFM loop between two replayed partitions, is a view of the region buffer; it is
-    passed in place (aliased, pointer-checked), not staged, and the stream stays bit-exact."""
+@pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
+def test_each_solver_step_replays_on_views_of_the_region(cfg, segments):
+    """0.1.2 through the fake replay backend, one graph per solver step: at the step clock (each step's
+    cache slice is cut by the eager CFM loop between two replayed partitions) and at the chunk clock
+    split at the estimator (``split_at``). The slice is a view of the region buffer, passed in place
+    (aliased, pointer-checked), not staged, and the stream stays bit-exact."""
     from cadence_fx.replay import FakeBackend
 
     step, _prompt, state, fresh, contract, eps = full_step_0_1_2(cfg, "step", seed=7)
+    if segments:
+        contract = token2wav_contract(cfg, "chunk", driver="0.1.2", step_segments=True)
     prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
                                        replay=FakeBackend(), warmup=True)
-    estimators = {k: e for k, e in prog.runners().items() if ".estimator" in k}
-    assert len(estimators) == 3 * cfg.n_timesteps
+    # one engine per solver step and class: the estimator's (step clock) or the CFM loop's segments
+    is_step = (lambda k: k.split(":")[-1].startswith("L__self__flow.decoder")) if segments else (  # noqa: E731
+        lambda k: ".estimator" in k)
+    estimators = {k: e for k, e in prog.runners().items() if is_step(k)}
+    assert len(estimators) == 3 * cfg.n_timesteps, sorted(prog.runners())
     for eng in estimators.values():
         assert eng.counters.eager == 0 and eng.counters.invalidations == 0 and eng.counters.replays > 0
         # only the step's inputs (x, t, mu, spks, cond: a few KiB) are staged, never a cache

@@ -649,7 +649,7 @@ def _clocks(cfg: Token2WavConfig) -> tuple[Clock, ...]:
 
 
 def token2wav_contract(cfg: Token2WavConfig, granularity: Granularity = "chunk", *, driver: Driver = "0.1.2",
-                       vocoder: bool = True) -> Contract:
+                       vocoder: bool = True, step_segments: bool = False) -> Contract:
     """The native-clock contract of :class:`Token2WavStep`.
 
     Regions (input names of the step):
@@ -666,7 +666,9 @@ def token2wav_contract(cfg: Token2WavConfig, granularity: Granularity = "chunk",
       overwrite rather than concatenate: ``Ring(3840)``, empty before the first chunk.
 
     Wrapped callables: the encoder, the CFM loop (``"chunk"``: one partition per chunk) or the
-    estimator (``"step"``: one partition per solver step), and the vocoder.
+    estimator (``"step"``: one partition per solver step), and the vocoder. ``step_segments`` keeps
+    the chunk clock but captures the CFM loop as one graph per solver step (``Contract.split_at``
+    the estimator; export with ``granularity="step"`` routing so the estimator is visible).
     """
     if granularity not in ("chunk", "step"):
         raise ValueError(f"granularity must be 'chunk' or 'step', got {granularity!r}")
@@ -697,7 +699,8 @@ def token2wav_contract(cfg: Token2WavConfig, granularity: Granularity = "chunk",
         ]
     inner = CFM_PATH if granularity == "chunk" else ESTIMATOR_PATH
     wrap = (ENCODER_PATH, inner) + ((VOCODER_PATH,) if vocoder else ())
-    return Contract(clocks=_clocks(cfg), regions=tuple(regions), wrap=wrap)
+    split = (ESTIMATOR_PATH,) if step_segments and granularity == "chunk" else ()
+    return Contract(clocks=_clocks(cfg), regions=tuple(regions), wrap=wrap, split_at=split)
 
 
 def dit_step_contract(cfg: Token2WavConfig) -> Contract:

@@ -30,7 +30,9 @@ def lower_replay(gm: GraphModule, ctx: PassContext) -> GraphModule:
         sub = getattr(gm, node.target)
         written = _written(sub)
         readonly = [i for i in aliased if written is not None and i not in written and _is_constant(roots[i])]
-        runner = ctx.make_runner(sub, name=f"{name}", aliased=aliased, readonly=readonly,
+        seg = node.meta.get("cadence_segment", 0)
+        name = f"{name}#{seg}" if seg else name
+        runner = ctx.make_runner(sub, name=name, aliased=aliased, readonly=readonly,
                                  mutable=None if written is None else sorted(written))
         if runner is None:
             continue

@@ -44,6 +44,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
     label = {n: None if breaks_capture(n) else invocation(n, wrap) for n in compute}
     if not any(label.values()):
         return gm
+    label = _segments(compute, label, tuple(ctx.contract.split_at))
     first: dict[str, int] = {}
     for i, n in enumerate(compute):
         if label[n] is not None:
@@ -78,7 +79,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
             current += 1
             last = label[n]
         part_of[n] = current
-    names = {part_of[n]: label[n] for n in schedule}
+    names = {part_of[n]: label[n] for n in schedule}  # (wrapped invocation, segment) or None
     gm.recompile()  # split_module reads the module's code, not only its graph
 
     def callback(node: Node) -> int:
@@ -90,7 +91,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if node.op == "call_module" and node.target.startswith("submod_"):
             idx = int(node.target.split("_")[1])
             if names.get(idx) is not None:
-                node.meta["cadence_wrapped"] = names[idx]
+                node.meta["cadence_wrapped"], node.meta["cadence_segment"] = names[idx]
                 wrapped += 1
     split.meta = dict(getattr(gm, "meta", {}))
     # split_module builds a plain graph; keep the exported module's pytree calling convention
@@ -98,6 +99,27 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
     split.graph._codegen = gm.graph._codegen
     ctx.record("partition", wrapped)
     return split
+
+
+def _segments(compute: list[Node], label: dict[Node, str | None],
+              split_at: tuple[str, ...]) -> dict[Node, tuple[str, int] | None]:
+    """Label each wrapped node with (invocation, segment): a new segment starts at every invocation of a
+    ``split_at`` module inside the wrapped one, and the nodes after it (the loop's glue) stay with it."""
+    segment: dict[str, int] = {}
+    inner_of: dict[str, str] = {}
+    out: dict[Node, tuple[str, int] | None] = {}
+    for n in compute:
+        outer = label[n]
+        if outer is None:
+            out[n] = None
+            continue
+        inner = invocation(n, split_at) if split_at else None
+        if inner is not None and inner != inner_of.get(outer, inner):
+            segment[outer] = segment.get(outer, 0) + 1
+        if inner is not None:
+            inner_of[outer] = inner
+        out[n] = (outer, segment.get(outer, 0))
+    return out
 
 
 def breaks_capture(node: Node) -> bool:
