@@ -138,14 +138,16 @@ def _ready(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _blocks(args, name, fn, step, state0, spk, device, warm, notes_of=lambda: "", **extra) -> list[dict]:
+def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None,
+            describe=lambda before, after: "", **extra) -> list[dict]:
+    """Stream every block; ``describe(counts() before, counts() after)`` is the block's note."""
     rows = []
     for block in range(args.blocks):
         fresh = step.fresh(args.chunks, spk, seed=block)
         restore = block == args.blocks - 1
-        before = notes_of()
+        before = counts()
         ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0)
-        notes = ", ".join(x for x in (notes_of(before), "restore" if restore else "") if x)
+        notes = ", ".join(x for x in (describe(before, counts()), "restore" if restore else "") if x)
         rows.append(_row(name, block, ms, sha, prof, warm, notes, **extra))
         print(f"[{name} block {block}] p50 {rows[-1]['p50_ms']:.1f} ms, peak {rows[-1]['peak_mib']} MiB, {notes}",
               file=sys.stderr, flush=True)
@@ -188,13 +190,11 @@ def run_stock_cell(args, name: str) -> list[dict]:
             _stream(fn, step, state0, step.fresh(4, spk, seed=EXPORT_SEED + rep), 0, False, device, False)
         warm = time.perf_counter() - t0
     _ready(device)
-    if name.startswith("vendor"):
-        buckets = sorted(step.flow.decoder.estimator.graph_chunk)
-        notes_of = lambda before=None: (counter["n"] if before is None else  # noqa: E731
-                                        f"vendor graph replays {counter['n'] - before} (buckets {buckets})")
-    else:
-        notes_of = lambda before=None: "" if before is not None else None  # noqa: E731
-    return _blocks(args, name, fn, step, state0, spk, device, warm, notes_of, **extra)
+    if not name.startswith("vendor"):
+        return _blocks(args, name, fn, step, state0, spk, device, warm, **extra)
+    buckets = sorted(step.flow.decoder.estimator.graph_chunk)
+    return _blocks(args, name, fn, step, state0, spk, device, warm, lambda: counter["n"],
+                   lambda b, a: f"vendor graph replays {a - b} (buckets {buckets})", **extra)
 
 
 def run_opt_cell(args, name: str) -> list[dict]:
@@ -228,15 +228,12 @@ def run_opt_cell(args, name: str) -> list[dict]:
         memory.update(after_warmup_mib=torch.cuda.memory_allocated() / 2**20,
                       warmup_peak_mib=torch.cuda.max_memory_allocated() / 2**20, **_census(prog))
 
-    def notes_of(before=None):
-        c = prog.counters()
-        if before is None:
-            return c
+    def describe(before, c):
         rej = {k: v - before["rejections"].get(k, 0) for k, v in c["rejections"].items()
                if v - before["rejections"].get(k, 0)}
         return f"replays {c['replays'] - before['replays']}, eager {c['eager'] - before['eager']}" + (f" {rej}" if rej else "")
 
-    rows = _blocks(args, name, prog, step, state0, spk, device, warm, notes_of, lane=args.lane,
+    rows = _blocks(args, name, prog, step, state0, spk, device, warm, prog.counters, describe, lane=args.lane,
                    export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory)
     reports = {k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
                         staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
