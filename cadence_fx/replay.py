@@ -400,8 +400,9 @@ class ExactShapeReplay:
         """Probe, warm up and capture the class of ``args``; state is left as found.
 
         The probe runs ``fn`` eagerly once to classify its effects; warm-up and
-        capture run on static buffers. RNG states and the contents of every
-        tensor argument ``fn`` mutates are restored after each run.
+        capture run on static buffers. RNG states are restored after every run; the
+        arguments ``fn`` writes (``mutable``, or found by comparison) are restored after
+        the probe and once more after the capture, from snapshots kept on the host when large.
         """
         if not self._live:
             return self._refuse(None, "no_backend")
