@@ -13,6 +13,8 @@ from typing import Sequence
 import torch
 from torch.export import ExportedProgram
 
+from cadence_fx.determinism import bits_equal
+
 __all__ = ["share_catalog_tensors"]
 
 
@@ -48,5 +50,4 @@ def _same(a: object, b: object) -> bool:
         return False
     if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset():
         return True
-    flat = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731  (bitwise: NaN, -0.0)
-    return a.numel() == 0 or torch.equal(flat(a), flat(b))
+    return bits_equal(a.detach(), b.detach())

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["NotReproducibleError", "check_reproducible", "envelope", "pin_envelope", "sha256_tensors"]
+__all__ = ["NotReproducibleError", "bits_equal", "check_reproducible", "envelope", "pin_envelope", "sha256_tensors"]
 
 
 class NotReproducibleError(RuntimeError):
@@ -87,6 +87,13 @@ def sha256_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> str
         if flat.numel():
             h.update(_raw_bytes(flat.view(torch.uint8)))
     return h.hexdigest()
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two same-shaped tensors on one device: NaN payloads and signed zeros count."""
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _raw_bytes(flat: torch.Tensor) -> memoryview | bytes:

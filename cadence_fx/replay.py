@@ -17,12 +17,15 @@ import logging
 import random
 import struct
 import time
+import warnings
 from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
+
+from cadence_fx.determinism import bits_equal
 
 try:
     import numpy as _np
@@ -117,8 +120,6 @@ def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream) -
     without touching the seed or the offset.
     """
     torch.cuda.set_stream(stream)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
         empty = torch.cuda.CUDAGraph()
@@ -259,13 +260,6 @@ def _host_rng_equal(a: tuple, b: tuple) -> bool:
         return True
     (na, ka, *ra), (nb, kb, *rb) = a[2], b[2]
     return na == nb and _np.array_equal(ka, kb) and ra == rb
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Bitwise, so NaN payloads and signed zeros count.
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 @dataclass
@@ -460,7 +454,7 @@ class ExactShapeReplay:
             with self.backend.side_stream():
                 for _ in range(_WARMUP):
                     self.fn(*static_args)
-                    self._restore(rng, {}, {}, ())
+                    self._rewind_rng(rng)
             if self.pool is None:
                 self.pool = self.backend.new_pool()
             replay, outputs, graph_bytes = self.backend.capture(self.fn, static_args, self.pool)
@@ -527,10 +521,13 @@ class ExactShapeReplay:
 
     def _restore(self, rng: tuple, tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],
                  which: Any) -> None:
-        _host_rng_set(rng[0])
-        self.backend.device_rng_set(rng[1])
+        self._rewind_rng(rng)
         for i in which:
             tensors[i].copy_(saved[i])
+
+    def _rewind_rng(self, rng: tuple) -> None:
+        _host_rng_set(rng[0])
+        self.backend.device_rng_set(rng[1])
 
     def _host_scalar(self, t: torch.Tensor) -> bool:
         return t.dim() == 0 and t.device.type == "cpu" and self.backend.device_type != "cpu"
@@ -546,7 +543,7 @@ def _mutated(tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],
              versions: dict[int, int | None]) -> set[int]:
     return {i for i, t in tensors.items()
             if (versions[i] is not None and _version(t) != versions[i])
-            or not _bits_equal(t.to(saved[i].device), saved[i])}
+            or not bits_equal(t.to(saved[i].device), saved[i])}
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:

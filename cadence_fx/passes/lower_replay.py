@@ -86,8 +86,8 @@ def _fixed_root(gm: GraphModule, arg: Node) -> Node | None:
         inner = view_root(outs[index]) if isinstance(index, int) and index < len(outs) else None
         if inner is None or inner.op != "placeholder":
             return inner if inner is not None and inner.op == "get_attr" else root
-        phs = [n for n in graph.nodes if n.op == "placeholder"]
-        outer = call.args[phs.index(inner)] if phs.index(inner) < len(call.args) else None
+        position = [n for n in graph.nodes if n.op == "placeholder"].index(inner)
+        outer = call.args[position] if position < len(call.args) else None
         if not isinstance(outer, Node):
             return root
         root = view_root(outer)
