@@ -5,11 +5,13 @@
 
 from cadence_fx.audit import RetentionMismatch
 from cadence_fx.contract import Clock, Contract, ContractError, HeadTail, Region, Ring, SlidingWindow
+from cadence_fx.passes.hoist_constants import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, plan, region_extents
 from cadence_fx.program import CatalogMiss, OptimizedProgram, optimize
 
 __all__ = [
     "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail", "OptimizedProgram", "Plan", "Region",
-    "RetentionMismatch", "Ring", "SlidingWindow", "call_classes", "optimize", "plan", "region_extents",
+    "RetentionMismatch", "Ring", "SlidingWindow", "WeightsChanged", "call_classes", "optimize", "plan",
+    "region_extents",
 ]
 __version__ = "0.1.0"

@@ -125,7 +125,12 @@ class Contract:
         admit: optional predicate deciding whether a catalog class may be replayed. It receives
             the clock strides by clock name and the region extents by region name, e.g.
             ``lambda c: c["frame"] <= 50``; refused classes run eagerly, counted.
-        hoist_constants: move host-built constants to device-resident buffers.
+        hoist_constants: compute host-built constants (and what the step computes from them alone,
+            such as a fixed solver schedule's timestep embeddings) once, into device buffers.
+        fold_weights: also compute weight-derived constants once (weight norm, Snake's
+            ``1/alpha``), with the stock kernels, on the weights' device. Needs ``hoist_constants``.
+            Either way the weights a hoisted cone reads are read once: an in-place change of one
+            afterwards raises ``WeightsChanged`` on the next call.
         split_at: module paths inside a wrapped callable whose every invocation starts a new graph
             of that callable's partition (the clock stays the wrapped callable's: the segments are
             captured, keyed and replayed together per call). A graph's launch costs host time that
@@ -138,6 +143,7 @@ class Contract:
     wrap: tuple[str, ...] = ()
     admit: Callable[[Mapping[str, int]], bool] | None = None
     hoist_constants: bool = True
+    fold_weights: bool = True
     split_at: tuple[str, ...] = ()
 
     def clock(self, name: str) -> Clock:

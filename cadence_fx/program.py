@@ -80,6 +80,7 @@ class OptimizedProgram:
                                       "passes": {}}
         self._programs: dict[tuple, tuple[GraphModule, dict[str, RegionSite], PassContext]] = {}
         shared: dict[int, dict] = {}
+        constants: dict[tuple, list] = {}
         self._admitted: dict[tuple, bool] = {}
         for ep in exported:
             sites = bind_regions(ep, contract)
@@ -87,7 +88,7 @@ class OptimizedProgram:
             ctx = PassContext(contract=contract, plan=self.plan, sites=sites, region_buffers=self.region_buffers,
                               verify=verify and state, auditor=self.auditor, state_rule=state,
                               make_runner=self._make_runner if self._backend is not None and admitted else None,
-                              shared_workspaces=shared)
+                              shared_workspaces=shared, shared_constants=constants)
             # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
             gm = run_pipeline(ep.module(), ctx)
             key = _key_of_program(ep)
@@ -107,7 +108,9 @@ class OptimizedProgram:
         flat = list(args) + [kwargs.pop(n) for n in self._names[len(args):] if n in kwargs]
         if kwargs:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
-        gm, sites, _ctx = self._select(flat)
+        gm, sites, ctx = self._select(flat)
+        if ctx.folded_weights is not None:
+            ctx.folded_weights.check()
         if not self._admitted[self._last_key]:
             self.stats["not_admitted"] += 1
         for name, site in (sites.items() if self.state_rule else ()):

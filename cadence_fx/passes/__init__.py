@@ -48,6 +48,9 @@ class PassContext:
     demand: dict[str, tuple] = field(default_factory=dict)  # workspace -> (stock shape, demand shape)
     # one demand-sized copy per stock workspace, shared by every program of one optimized program
     shared_workspaces: dict[tuple, dict] = field(default_factory=dict)
+    # hoisted constants by value, shared by every program of one optimized program
+    shared_constants: dict[tuple, list] = field(default_factory=dict)
+    folded_weights: Any = None  # hoist_constants.FoldedWeights: the weights this program folded
 
     def record(self, pass_name: str, count: int) -> None:
         self.changed[pass_name] = self.changed.get(pass_name, 0) + count

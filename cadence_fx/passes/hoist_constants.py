@@ -1,12 +1,33 @@
-"""Constant hoisting: host-built constants become device-resident buffers, computed once."""
+"""Constant hoisting: constant cones become buffers computed once, by the stock program's own kernels.
+
+A cone is constant when nothing in it depends on the step's inputs: it starts at factory ops and at
+parameters, buffers and constants the graph never writes, and holds nothing random or mutating.
+Two kinds are hoisted:
+
+* host-built cones (always, unless ``contract.hoist_constants`` is off): factories and dtype/device
+  copies the step rebuilds on the host every call (``arange``, ``linspace``, ``tensor(...).to(dev)``),
+  and everything computed from them. In Token2Wav the solver's schedule is a ``linspace`` inside the
+  step, so this cone holds the DiT's timestep embedding and every block's adaLN modulation at every
+  solver step;
+* weight-derived cones (``contract.fold_weights``): values computed from the weights alone. In
+  Token2Wav: HiFT's weight norm and Snake's ``1 / (alpha + eps)``, recomputed by the stock step on
+  every call.
+
+Each cone is evaluated once, op by op, on the program's own tensors and device: the same ATen ops
+on the same inputs as the stock call, so the same bits. The weights a cone reads are read
+once; a :class:`FoldedWeights` guard makes a later in-place change of one an error, not a stale value.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from cadence_fx.graph_utils import is_mutating, overload_name, register_tensor, view_root
+from cadence_fx.determinism import bits_equal
+from cadence_fx.graph_utils import is_mutating, is_view, overload_name, register_tensor, view_root
 from cadence_fx.passes import PassContext
 
 # Factory ops whose result is fully determined by their arguments. ``empty*`` is left out:
@@ -15,16 +36,38 @@ _FACTORIES = {"arange", "zeros", "ones", "full", "scalar_tensor", "linspace", "l
               "zeros_like", "ones_like", "full_like", "lift_fresh_copy", "tensor"}
 # A copy that changes device or dtype: the per-call host-to-device transfer we are removing.
 _COPIES = {"_to_copy", "to", "_assert_tensor_metadata"}
+_UNDEFINED = {"empty", "empty_like", "empty_strided"}
+
+
+class WeightsChanged(RuntimeError):
+    """A weight folded at optimize time was changed in place afterwards."""
+
+
+@dataclass
+class FoldedWeights:
+    """The weights and constants one program's hoisted cones read, with their version counters."""
+
+    sources: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise :class:`WeightsChanged` when a source was written since it was folded (a few µs a call)."""
+        for name, t, version in self.sources:
+            if t._version != version:
+                raise WeightsChanged(
+                    f"weight {name!r} changed in place after cadence_fx.optimize computed constants from "
+                    f"it once; optimize again with the new weights")
 
 
 def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Replace each host-built constant cone (factory ops, dtype/device copies) by one precomputed buffer."""
-    if not ctx.contract.hoist_constants:
+    """Replace each constant cone (host-built, and weight-derived under ``fold_weights``) by one buffer."""
+    contract = ctx.contract
+    if not contract.hoist_constants:
         return gm
     graph = gm.graph
     mutated = {view_root(n.args[0]) for n in graph.nodes if is_mutating(n) and n.args and isinstance(n.args[0], Node)}
     const: set[Node] = set()
     host_built: set[Node] = set()
+    computes: set[Node] = set()  # const nodes whose cone runs at least one kernel (not only views of weights)
     for n in graph.nodes:
         if n.op == "get_attr":
             if n not in mutated:
@@ -34,11 +77,14 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         inputs = n.all_input_nodes
         name = overload_name(n)
-        if all(i in const for i in inputs) and (inputs or name in _FACTORIES) and name not in ("empty", "empty_like", "empty_strided"):
+        if all(i in const for i in inputs) and (inputs or name in _FACTORIES) and name not in _UNDEFINED:
             const.add(n)
             if name in _FACTORIES or name in _COPIES or any(i in host_built for i in inputs):
                 host_built.add(n)
-    boundary = [n for n in graph.nodes if n in host_built and n.op == "call_function"
+            if not is_view(n) or any(i in computes for i in inputs):
+                computes.add(n)
+    hoisted = computes if contract.fold_weights else host_built
+    boundary = [n for n in graph.nodes if n in hoisted and n.op == "call_function"
                 and any(u not in const for u in n.users) and isinstance(n.meta.get("val"), torch.Tensor)]
     env: dict[Node, object] = {}
 
@@ -60,16 +106,39 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for n in list(graph.nodes):
         if overload_name(n) == "_assert_tensor_metadata" and n.args and n.args[0] in const:
             graph.erase_node(n)
-    for n in boundary:
-        value = evaluate(n)
-        attr = register_tensor(gm, "_cf_const_", value)
-        with graph.inserting_before(n):
-            ref = graph.get_attr(attr)
-        ref.meta = dict(n.meta)
-        n.replace_all_uses_with(ref)
+    folded = 0
+    with torch.no_grad():
+        for n in boundary:
+            value = _shared(ctx.shared_constants, evaluate(n))
+            folded += n not in host_built
+            attr = register_tensor(gm, "_cf_const_", value)
+            with graph.inserting_before(n):
+                ref = graph.get_attr(attr)
+            ref.meta = dict(n.meta)
+            n.replace_all_uses_with(ref)
+    # every weight a hoisted cone read: guarded against later in-place edits
+    weights = FoldedWeights()
+    for n, val in env.items():
+        if n.op == "get_attr" and isinstance(val, torch.Tensor):
+            try:
+                weights.sources.append((n.target, val, val._version))
+            except RuntimeError:  # an inference tensor has no version counter and cannot be edited outside one
+                pass
+    ctx.folded_weights = weights
     graph.eliminate_dead_code()
-    ctx.record("hoist_constants", len(boundary))
+    ctx.record("hoist_constants", len(boundary) - folded)
+    ctx.record("fold_weights", folded)
     return gm
+
+
+def _shared(table: dict[tuple, list[torch.Tensor]], value: torch.Tensor) -> torch.Tensor:
+    """One buffer per distinct value across a catalog's programs (every class folds the same weights)."""
+    key = (tuple(value.shape), value.stride(), value.dtype, value.device)
+    for t in table.setdefault(key, []):
+        if bits_equal(t, value):
+            return t
+    table[key].append(value)
+    return value
 
 
 def _is_random(node: Node) -> bool:
