@@ -43,7 +43,7 @@ class ReplayRunner(torch.nn.Module):
         if self._owner[0]._capturing:
             key = self.engine.signature(args)
             if key is not None and key not in self.engine.classes:
-                self.engine.capture(*args)
+                self.engine.capture(*args, restored_by_caller=self._owner[0]._preserved_ptrs)
         return self.engine(*args)
 
 
@@ -65,6 +65,7 @@ class OptimizedProgram:
         self.plan: Plan = make_plan(exported, contract)
         self.auditor = Auditor() if verify else None
         self._capturing = False
+        self._preserved_ptrs: frozenset[int] = frozenset()  # storages warm-up restores itself
         self._names = input_names(exported[0])
         self._region_index = {r.name: self._names.index(r.input) for r in contract.regions}
         self._pool = None
@@ -245,6 +246,7 @@ class OptimizedProgram:
         # copies on the host: warm-up must not raise the device peak by the size of the state
         state = list(self.region_buffers.values()) + self._workspaces
         saved = {i: t.to("cpu", copy=True) for i, t in enumerate(state)}
+        self._preserved_ptrs = frozenset(t.untyped_storage().data_ptr() for t in state)
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         counts = {k: v for k, v in self.stats.items() if isinstance(v, int)}  # warm-up is not traffic
@@ -253,6 +255,7 @@ class OptimizedProgram:
         finally:
             for i, v in saved.items():
                 state[i].copy_(v)
+            self._preserved_ptrs = frozenset()
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)

@@ -390,13 +390,18 @@ class ExactShapeReplay:
                 for o, keep in zip(g.static_outputs, g.keep)]
         return g.rebuild(outs)
 
-    def capture(self, *args: object) -> ClassReport:
+    def capture(self, *args: object, restored_by_caller: frozenset[int] = frozenset()) -> ClassReport:
         """Probe, warm up and capture the class of ``args``; state is left as found.
 
         The probe runs ``fn`` eagerly once to classify its effects; warm-up and
         capture run on static buffers. RNG states are restored after every run; the
         arguments ``fn`` writes (``mutable``, or found by comparison) are restored after
         the probe and once more after the capture, from snapshots kept on the host when large.
+
+        ``restored_by_caller``: storage pointers the caller snapshots and restores itself around
+        a whole warm-up (an optimized program's regions and workspaces). Written arguments in
+        them are not snapshotted per capture: with one graph per solver step, each capture
+        would otherwise copy the whole 600 MiB cache workspace to the host and back.
         """
         if not self._live:
             return self._refuse(None, "no_backend")
@@ -422,7 +427,9 @@ class ExactShapeReplay:
         # what capture must rewind: the arguments fn writes (known) or may write (not read-only)
         tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                    and (i in self.mutable if self.mutable is not None else i not in self.readonly)}
-        saved = {i: _snapshot(t) for i, t in tensors.items()}
+        # writes found by comparison need every snapshot; declared writes skip what the caller restores
+        skip = restored_by_caller if self.mutable is not None else frozenset()
+        saved = {i: _snapshot(t) for i, t in tensors.items() if _storage_ptr(t) not in skip}
         versions = {i: _version(t) for i, t in tensors.items()}
         rng = (_host_rng(), self.backend.device_rng_get())
         try:
@@ -431,11 +438,11 @@ class ExactShapeReplay:
             device_changed = not torch.equal(rng[1], self.backend.device_rng_get())
             _flatten(probe_out)
         except Exception as exc:
-            self._restore(rng, tensors, saved, tensors)
+            self._restore(rng, tensors, saved, saved)
             return self._refuse(key, "capture_failed", error=_describe(exc))
         del probe_out
         mutated = set(tensors) if self.mutable is not None else _mutated(tensors, saved, versions)
-        self._restore(rng, tensors, saved, mutated | set(self.aliased) & set(tensors))
+        self._restore(rng, tensors, saved, (mutated | set(self.aliased)) & set(saved))
         if host_changed:
             return self._refuse(key, "host_randomness", permanent=True)
 
@@ -450,7 +457,7 @@ class ExactShapeReplay:
             # Staging buffers are reloaded before every replay, so only aliased buffers need restoring;
             # warm-up and capture read whatever the buffers hold (values never change a capture), so
             # they are rewound once, after the capture.
-            static_tensors = {i: static_args[i] for i in self.aliased if i in tensors}
+            static_tensors = {i: static_args[i] for i in self.aliased if i in saved}
             with self.backend.side_stream():
                 for _ in range(_WARMUP):
                     self.fn(*static_args)
@@ -462,7 +469,7 @@ class ExactShapeReplay:
             static_outputs, rebuild = _flatten(outputs)
         except Exception as exc:
             try:
-                self._restore(rng, tensors, saved, set(self.aliased) & set(tensors))
+                self._restore(rng, tensors, saved, set(self.aliased) & set(saved))
             except Exception as again:  # a broken capture can leave the stream unusable
                 log.error("%s: could not restore state after failed capture: %r", self.name, again)
             return self._refuse(key, "capture_failed", error=_describe(exc))

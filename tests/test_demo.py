@@ -264,3 +264,27 @@ def test_optimize_keeps_one_workspace_copy_alive():
     assert len(holding) == 1 and holding[0] is prog._workspaces[0]
     refs, opts, _ = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 6)
     _same(refs, opts, cfg)
+
+
+def test_warmup_snapshots_no_region_or_workspace_per_capture(monkeypatch):
+    """Warm-up keeps one host copy of the regions and workspaces for the whole warm-up; the captures
+    inside it (the solver's writes into the workspace) do not snapshot them again, and the stream
+    after warm-up is still bit-exact."""
+    import cadence_fx.replay as replay
+    from cadence_fx.replay import FakeBackend
+
+    cfg = DemoConfig()
+    model, contract, eps = _setup(cfg, wrap=("encoder", "solver.estimator"))
+    prog = cf.optimize(eps, contract, replay=FakeBackend())
+    snapped: list[int] = []
+    real = replay._snapshot
+    monkeypatch.setattr(replay, "_snapshot", lambda t: snapped.append(t.untyped_storage().data_ptr()) or real(t))
+    state0 = list(model.initial_state())
+    prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
+    owned = {t.untyped_storage().data_ptr() for t in list(prog.region_buffers.values()) + prog._workspaces}
+    assert prog.counters()["captures"] > 0 and prog._workspaces
+    assert not owned & set(snapped), "a capture inside warm-up snapshotted a region or workspace"
+    assert prog._preserved_ptrs == frozenset()
+    refs, opts, _ = run_streams(eps, prog, _inputs(cfg), state0, REGION_OUT, 6)
+    _same(refs, opts, cfg)
+    assert prog.counters()["eager"] == 0

@@ -212,12 +212,29 @@ def test_full_step_0_1_2(cfg):
     snapshot = {k: v.clone() for k, v in step.carry(plain[0]).items()}
     prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=True, restore={4: snapshot}, seed=11)
     assert ref[4][step.state["estimator_att"]].shape[4] == cfg.prompt_frames + 2 * cfg.chunk_frames
-    # chunk clock: encoder, the whole CFM loop, the vocoder in two segments (its istft checks the window
-    # envelope on the host every call, so it runs eagerly between them)
+    # chunk clock: encoder, the CFM loop in one segment per solver step (the adapter's default), the
+    # vocoder in two segments (its istft checks the window envelope on the host every call, so it runs
+    # eagerly between them)
     for names in wrapped_invocations(prog):
-        assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder", "vocoder"], names
+        assert [n.split("__")[-1] for n in names] == (
+            ["flow.encoder"] + ["flow.decoder"] * cfg.n_timesteps + ["vocoder", "vocoder"]), names
     assert all(torch.equal(a, b) for x, y in zip(ref[:4], plain[:4]) for a, b in zip(x, y))
     assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
+
+
+def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg):
+    """``step_segments=False``: the CFM loop is one partition (one graph); same bits."""
+    from cadence_fx.replay import FakeBackend
+
+    step, _prompt, state, fresh, _contract, eps = full_step_0_1_2(cfg, "chunk", seed=3)
+    contract = token2wav_contract(cfg, "chunk", driver="0.1.2", step_segments=False)
+    prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
+                                       replay=FakeBackend(), warmup=True)
+    for names in wrapped_invocations(prog):
+        assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder", "vocoder"], names
+    # the flow replays every call (on the CPU, HiFT's draws are host randomness: it stays eager here)
+    flow = {k: e for k, e in prog.runners().items() if "flow" in k}
+    assert len(flow) == 2 * 3 and all(e.counters.eager == 0 and e.counters.replays > 0 for e in flow.values())
 
 
 @pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
@@ -230,7 +247,7 @@ def test_each_solver_step_replays_on_views_of_the_region(cfg, segments):
 
     step, _prompt, state, fresh, contract, eps = full_step_0_1_2(cfg, "step", seed=7)
     if segments:
-        contract = token2wav_contract(cfg, "chunk", driver="0.1.2", step_segments=True)
+        contract = token2wav_contract(cfg, "chunk", driver="0.1.2")  # segments: the default
     prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
                                        replay=FakeBackend(), warmup=True)
     # one engine per solver step and class: the estimator's (step clock) or the CFM loop's segments

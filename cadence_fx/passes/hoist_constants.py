@@ -26,7 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from cadence_fx.determinism import bits_equal
+from cadence_fx.determinism import bits_equal, sha256_tensors
 from cadence_fx.graph_utils import is_mutating, is_view, overload_name, register_tensor, view_root
 from cadence_fx.passes import PassContext
 
@@ -132,8 +132,12 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 
 def _shared(table: dict[tuple, list[torch.Tensor]], value: torch.Tensor) -> torch.Tensor:
-    """One buffer per distinct value across a catalog's programs (every class folds the same weights)."""
-    key = (tuple(value.shape), value.stride(), value.dtype, value.device)
+    """One buffer per distinct value across a catalog's programs (every class folds the same weights).
+
+    Keyed by a digest of the bytes: Token2Wav hoists thousands of same-shaped constants (every
+    block's adaLN chunks at every solver step), so comparing each with every other is quadratic.
+    """
+    key = (tuple(value.shape), value.stride(), value.dtype, value.device, sha256_tensors(value))
     for t in table.setdefault(key, []):
         if bits_equal(t, value):
             return t
