@@ -224,7 +224,11 @@ def run_opt_cell(args, name: str) -> list[dict]:
               "released_stock_mib": released / 2**20}
     # only the per-call inputs: warm-up captures on views of the region buffers, no state is needed
     first = step.fresh(1, spk)[0]
+    if args.memory_top and device == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=500_000)
     warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
+    if args.memory_top and device == "cuda":
+        _write_memory_top(args.memory_top, name)
     if device == "cuda":
         memory.update(after_warmup_mib=torch.cuda.memory_allocated() / 2**20,
                       warmup_peak_mib=torch.cuda.max_memory_allocated() / 2**20, **_census(prog))
@@ -261,6 +265,21 @@ def _release_unreferenced(step, prog) -> int:
             freed += storage.nbytes()
             storage.resize_(0)
     return freed
+
+
+def _write_memory_top(path: str, name: str, top: int = 25) -> None:
+    """The largest device blocks still allocated after warm-up, with where they were allocated."""
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    blocks = [(b["size"], b.get("frames", []), seg.get("segment_pool_id")) for seg in snap["segments"]
+              for b in seg["blocks"] if b["state"] == "active_allocated"]
+    blocks.sort(key=lambda b: -b[0])
+    with open(path, "a") as f:
+        f.write(f"== {name}: {len(blocks)} live blocks, {sum(b[0] for b in blocks) / 2**20:.1f} MiB\n")
+        for size, frames, pool in blocks[:top]:
+            where = [f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
+                     if "torch/" not in fr["filename"] or "fx" in fr["filename"]][:6]
+            f.write(f"{size / 2**20:9.1f} MiB pool={pool} {' <- '.join(where)}\n")
 
 
 def _census(prog) -> dict:
@@ -360,6 +379,7 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=1, help="run lanes of cells side by side, one GPU each")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--memory-top", default=None, help="append the largest live blocks after warm-up to this file")
     ap.add_argument("--rows", default=None, help="also append every cell's raw rows to this file (JSON lines)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lane", type=int, default=0, help=argparse.SUPPRESS)
