@@ -70,11 +70,22 @@ class CudaGraphBackend:
 
     def __init__(self, device: torch.device | int | None = None) -> None:
         self._device = device
+        # One warm-up and one capture stream for every capture: cuBLAS keeps a workspace per
+        # (handle, stream) for the process's life (32 MiB on Hopper), so a fresh stream per
+        # capture (torch.cuda.graph's default) cost 32 MiB per graph: 600 MiB for 30 step graphs.
+        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device() if self._device is None
                             else torch.device("cuda", self._device).index)
+
+    def _stream(self, role: str) -> torch.cuda.Stream:
+        dev = self.device
+        key = (role, dev.index)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(dev)
+        return self._streams[key]
 
     def available(self) -> bool:
         return torch.cuda.is_available()
@@ -83,7 +94,7 @@ class CudaGraphBackend:
         return torch.cuda.graph_pool_handle()
 
     def side_stream(self) -> AbstractContextManager[object]:
-        return _SideStream(self.device)
+        return _SideStream(self._stream("warmup"))
 
     def device_rng_get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device)
@@ -101,10 +112,11 @@ class CudaGraphBackend:
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(dev)
         try:
-            with torch.cuda.device(dev), torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.device(dev), torch.cuda.graph(graph, pool=pool, stream=self._stream("capture")):
                 outputs = fn(*static_args)
         except BaseException:
             _recover_from_failed_capture(dev, stream)
+            self._streams.pop(("capture", dev.index), None)  # a broken capture's stream is not reused
             raise
         torch.cuda.synchronize(dev)
         return graph.replay, outputs, max(0, torch.cuda.memory_reserved(dev) - before)
@@ -132,8 +144,8 @@ def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream) -
 class _SideStream:
     """Warm-up stream, fenced on both sides as the CUDA-graph docs recommend."""
 
-    def __init__(self, device: torch.device) -> None:
-        self._stream = torch.cuda.Stream(device)
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
         self._ctx = torch.cuda.stream(self._stream)
 
     def __enter__(self) -> None:
