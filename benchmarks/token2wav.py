@@ -169,7 +169,7 @@ def run_stock_cell(args, name: str) -> list[dict]:
         fresh = step.fresh(args.chunks, spk, seed=0)
         a = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
         b = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
-        extra = dict(reproducible=a == b, envelope={k: str(v) for k, v in env.items()},
+        extra.update(reproducible=a == b, envelope={k: str(v) for k, v in env.items()},
                      gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__)
     elif name == "vendor":
         t0 = time.perf_counter()
@@ -225,7 +225,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     # only the per-call inputs: warm-up captures on views of the region buffers, no state is needed
     first = step.fresh(1, spk)[0]
     if args.memory_top and device == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=500_000)
+        torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
     if args.memory_top and device == "cuda":
         _write_memory_top(args.memory_top, name)
@@ -278,7 +278,7 @@ def _write_memory_top(path: str, name: str, top: int = 25) -> None:
         f.write(f"== {name}: {len(blocks)} live blocks, {sum(b[0] for b in blocks) / 2**20:.1f} MiB\n")
         for size, frames, pool in blocks[:top]:
             where = [f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
-                     if "torch/" not in fr["filename"] or "fx" in fr["filename"]][:6]
+                     if fr["filename"].endswith(".py") or fr["filename"].startswith("<eval")][:6]
             f.write(f"{size / 2**20:9.1f} MiB pool={pool} {' <- '.join(where)}\n")
 
 
@@ -452,22 +452,30 @@ def report(rows: list[dict], args) -> None:
           f"envelope: {env.get('reproducible')}; lanes' B0 bytes agree: {lanes_agree}; export of the catalog: "
           f"{exp.get('export_s', float('nan')):.1f} s")
     print(table(cells))
-    summary = {}
-    for name in dict.fromkeys(r["name"] for r in cells):
-        rs = [r for r in cells if r["name"] == name and "error" not in r]
+    # one summary entry per cell and run (a cell measured in two runs of different code stays two entries);
+    # speedups and memory are against the B0 of the same run
+    runs_of: dict[str, set] = {}
+    for r in cells:
+        runs_of.setdefault(r["name"], set()).add(r.get("run", 0))
+    summary: dict[str, dict] = {}
+    b0_of: dict[int, dict] = {}
+    for name, run in dict.fromkeys((r["name"], r.get("run", 0)) for r in cells):
+        key = name if len(runs_of[name]) == 1 else f"{name} (run {run})"
+        rs = [r for r in cells if r["name"] == name and r.get("run", 0) == run and "error" not in r]
         if not rs:
-            summary[name] = dict(error=True)
+            summary[key] = dict(error=True)
             continue
         exact = all(r["bitexact"] for r in rs)
         p50 = sorted(r["p50_ms"] for r in rs)[len(rs) // 2]
-        summary[name] = dict(p50_ms=p50, peak_mib=max((r["peak_mib"] or 0) for r in rs),
-                             warmup_s=rs[0].get("warmup_s"), bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}",
-                             speedup=(summary.get("B0", {}).get("p50_ms", float("nan")) / p50) if exact and name != "B0"
-                             else None)
-    b0 = summary.get("B0", {})
-    for name, s in summary.items():
-        if b0.get("peak_mib") and s.get("peak_mib"):
+        s = dict(run=run, p50_ms=p50, peak_mib=max((r["peak_mib"] or 0) for r in rs), warmup_s=rs[0].get("warmup_s"),
+                 bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}")
+        if name == "B0":
+            b0_of[run] = s
+        b0 = b0_of.get(run, {})
+        s["speedup"] = b0["p50_ms"] / p50 if exact and name != "B0" and b0 else None
+        if b0.get("peak_mib") and s["peak_mib"]:
             s["peak_vs_B0"] = s["peak_mib"] / b0["peak_mib"] - 1
+        summary[key] = s
     print("per-cell medians over blocks (speedup only where every block is bit-exact):")
     print(json.dumps(summary, indent=1))
     if args.json:
