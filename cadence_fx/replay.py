@@ -450,11 +450,11 @@ class ExactShapeReplay:
             device_changed = not torch.equal(rng[1], self.backend.device_rng_get())
             _flatten(probe_out)
         except Exception as exc:
-            self._restore(rng, tensors, saved, saved)
+            self._restore(rng, tensors, saved, saved, versions)
             return self._refuse(key, "capture_failed", error=_describe(exc))
         del probe_out
         mutated = set(tensors) if self.mutable is not None else _mutated(tensors, saved, versions)
-        self._restore(rng, tensors, saved, (mutated | set(self.aliased)) & set(saved))
+        self._restore(rng, tensors, saved, (mutated | set(self.aliased)) & set(saved), versions)
         if host_changed:
             return self._refuse(key, "host_randomness", permanent=True)
 
@@ -477,11 +477,11 @@ class ExactShapeReplay:
             if self.pool is None:
                 self.pool = self.backend.new_pool()
             replay, outputs, graph_bytes = self.backend.capture(self.fn, static_args, self.pool)
-            self._restore(rng, static_tensors, saved, static_tensors)
+            self._restore(rng, static_tensors, saved, static_tensors, versions)
             static_outputs, rebuild = _flatten(outputs)
         except Exception as exc:
             try:
-                self._restore(rng, tensors, saved, set(self.aliased) & set(saved))
+                self._restore(rng, tensors, saved, set(self.aliased) & set(saved), versions)
             except Exception as again:  # a broken capture can leave the stream unusable
                 log.error("%s: could not restore state after failed capture: %r", self.name, again)
             return self._refuse(key, "capture_failed", error=_describe(exc))
@@ -539,9 +539,13 @@ class ExactShapeReplay:
             log.warning("%s: eager (%s)%s: %s", self.name, reason, detail, _short(key))
 
     def _restore(self, rng: tuple, tensors: dict[int, torch.Tensor], saved: dict[int, torch.Tensor],
-                 which: Any) -> None:
+                 which: Any, versions: dict[int, int | None]) -> None:
         self._rewind_rng(rng)
         for i in which:
+            # untouched since the snapshot (same version counter): copying it back would change nothing
+            # but its version, which makes a read-only weight look edited (``WeightsChanged``)
+            if versions.get(i) is not None and _version(tensors[i]) == versions[i]:
+                continue
             tensors[i].copy_(saved[i])
 
     def _rewind_rng(self, rng: tuple) -> None:

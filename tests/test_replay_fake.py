@@ -442,3 +442,21 @@ def test_envelope_pins_and_restores():
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[:2]
         torch.use_deterministic_algorithms(prev[2])
+
+
+def test_capture_leaves_untouched_aliased_arguments_alone():
+    """A capture with no declared write set snapshots every argument and rewinds what changed; an
+    aliased weight it never wrote keeps its version counter (copying it back would make a folded
+    weight look edited to the program's ``WeightsChanged`` guard), a written buffer is rewound."""
+    def step(x, w, acc):
+        acc.add_(x.sum())
+        return x @ w
+
+    x, w, _ = args()
+    acc = torch.zeros(())
+    e = engine(step, aliased=(1, 2))  # mutable=None: the write set is found by comparison
+    w_version, acc_before = w._version, acc.clone()
+    assert e.capture(x, w, acc).admitted
+    assert w._version == w_version, "capture wrote the weight back"
+    assert torch.equal(acc, acc_before), "the probe's write was not rewound"
+    assert torch.equal(e(x, w, acc), x @ w) and torch.equal(acc, acc_before + x.sum())
