@@ -293,6 +293,33 @@ def test_full_step_1_0_7(cfg):
     assert sha256_tensors(pcm_stock[:4]) == sha256_tensors(pcm_opt)
 
 
+def test_bounded_vocoder_decode_replays_bit_exact(cfg, caplog):
+    """1.0.7's ``BoundedVocoder``: its stateless ``decode`` exported per shape seen on example mel,
+    optimized (istft eager between two replayed segments), captured per layout the stream passes (views
+    of its caches), installed as the model's ``decode``; the host bookkeeping stays stock. The PCM
+    stream is bit-identical; the flush call's shapes are outside the catalog: eager, counted, logged once."""
+    from cadence_fx.adapters.bounded_vocoder import replay_bounded_vocoder
+    from cadence_fx.replay import FakeBackend
+
+    up = upstream("1.0.7")
+    ref = build_causal_vocoder(up, cfg)
+    g = torch.Generator().manual_seed(0)
+    mels = [torch.randn(1, cfg.mel_channels, 2 * cfg.chunk_frames, generator=g) for _ in range(10)]
+    pcm_ref = [bounded_vocoder_stream(ref, m, cfg, last_chunk=k == 9) for k, m in enumerate(mels)]
+
+    opt = new_bounded_stream(up, ref.model)
+    installed = replay_bounded_vocoder(opt, mels[:5], replay=FakeBackend())
+    assert ref.model.decode is installed and len(installed.catalog) >= 2
+    pcm_opt = [bounded_vocoder_stream(opt, m, cfg, last_chunk=k == 9) for k, m in enumerate(mels)]
+    assert sum(p.shape[-1] for p in pcm_ref) > 0
+    assert sha256_tensors(pcm_ref) == sha256_tensors(pcm_opt)
+    c = installed.counters()
+    assert c["optimized"] >= 2 * 9 and c["replay"][False]["eager"] == 0 and c["replay"][False]["replays"] > 0
+    assert c["eager"] and all(sig[-1] is True for sig in c["eager"])  # only the flush ran stock
+    flush_warnings = [r for r in caplog.records if "outside the catalog" in r.getMessage()]
+    assert len(flush_warnings) == len(c["eager"])
+
+
 # --------------------------------------------------------------------------- (d) the plan, released size
 def test_plan_released_dimensions():
     """The released estimator workspace (16 step slots x 1000 frames) against what the contract

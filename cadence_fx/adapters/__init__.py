@@ -7,6 +7,8 @@
   (upsampling conformer encoder, 10-step CFM over the DiT estimator, HiFT vocoder): its stock
   per-chunk step, the DiT-only and encoder-only steps, their contracts, per-class export and the
   stock eager driver for comparisons.
+- :mod:`cadence_fx.adapters.bounded_vocoder`: the 1.0.7 causal ``BoundedVocoder``: its host-driven
+  stream stays stock, its stateless ``decode`` runs as an optimized, replayed catalog.
 
 Adapters import upstream code; they never copy it.
 """

@@ -12,7 +12,9 @@ does, and what the exported step reproduces:
 3. 0.1.2: HiFT vocoding with the driver's 8-frame mel cache, 3840-sample source cache and
    the Hamming cross-fade with the previous chunk's speech tail. 1.0.7 streams through a
    ``BoundedVocoder`` whose state is host-side integer bookkeeping; it is not exportable to a
-   finite catalog and runs eagerly after the step (:func:`bounded_vocoder_stream`).
+   finite catalog and runs after the step (:func:`bounded_vocoder_stream`), its stateless
+   ``decode`` optionally as a replayed catalog
+   (:func:`cadence_fx.adapters.bounded_vocoder.replay_bounded_vocoder`).
 
 Everything model-side is the upstream code, imported (:mod:`cadence_fx.adapters.upstream`);
 what lives here is the driver logic of ``token2wav.py`` (a module that cannot be imported
@@ -919,7 +921,8 @@ def bounded_vocoder_stream(vocoder: Any, chunk_mel: torch.Tensor, cfg: Token2Wav
     Not part of any exported step: its state is a dict of integer offsets read with ``.item()``
     that pick slice bounds and absolute positions in a fixed noise table, so each call would be
     a new static program (no finite catalog). It runs after the optimized flow step, exactly as
-    in the stock driver, and consumes the step's ``mel`` output.
+    in the stock driver, and consumes the step's ``mel`` output. Its neural decoder can still be
+    replayed: :func:`cadence_fx.adapters.bounded_vocoder.replay_bounded_vocoder`.
     """
     cache = vocoder.cache
     speech = vocoder.stream(chunk_mel, finalize=last_chunk)
