@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.nn.utils.parametrizations import weight_norm
 
 import cadence_fx as cf
@@ -28,27 +30,30 @@ class Solver(torch.nn.Module):
     """An Euler loop whose schedule is built inside the step, like Token2Wav's CFM: every step's
     timestep embedding and modulation depend on the weights alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int = STEPS, dim: int = DIM, norm: bool = True, kernel: int = 3) -> None:
         super().__init__()
-        self.t_mlp = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.SiLU(), torch.nn.Linear(DIM, DIM))
-        self.ada = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(DIM, 2 * DIM))
-        self.body = weight_norm(torch.nn.Conv1d(DIM, DIM, 3, padding=1))
-        self.snake = Snake(DIM)
+        self.steps, self.dim = steps, dim
+        self.t_mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.SiLU(), torch.nn.Linear(dim, dim))
+        self.ada = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(dim, 2 * dim))
+        conv = torch.nn.Conv1d(dim, dim, kernel, padding=kernel // 2)
+        self.body = weight_norm(conv) if norm else conv
+        self.snake = Snake(dim)
 
     def embed(self, t: torch.Tensor) -> torch.Tensor:
-        freqs = torch.exp(-math.log(100.0) * torch.arange(DIM // 2, dtype=torch.float32) / (DIM // 2)).to(t.device)
+        half = self.dim // 2
+        freqs = torch.exp(-math.log(100.0) * torch.arange(half, dtype=torch.float32) / half).to(t.device)
         args = t[:, None] * freqs[None]
         return self.t_mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t_span = 1 - torch.cos(torch.linspace(0, 1, STEPS + 1, device=x.device) * 0.5 * torch.pi)
+        t_span = 1 - torch.cos(torch.linspace(0, 1, self.steps + 1, device=x.device) * 0.5 * torch.pi)
         t, dt = t_span[0].unsqueeze(0), t_span[1] - t_span[0]
-        for step in range(1, STEPS + 1):
+        for step in range(1, self.steps + 1):
             shift, scale = self.ada(self.embed(t)).unsqueeze(-1).chunk(2, dim=1)
             v = self.snake(self.body(x * (1 + scale) + shift))
             x = x + dt * v
             t = t + dt
-            if step < STEPS:
+            if step < self.steps:
                 dt = t_span[step + 1] - t
         return x
 
@@ -129,3 +134,23 @@ def test_a_catalog_keeps_one_copy_of_each_folded_value():
         x = torch.randn(1, DIM, frames)
         with torch.no_grad():
             assert torch.equal(prog(x), ep.module()(x))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.integers(1, 4), dim=st.sampled_from([2, 4, 8, 16]), norm=st.booleans(),
+       kernel=st.sampled_from([1, 3, 5]), frames=st.lists(st.integers(1, 9), min_size=1, max_size=3, unique=True),
+       fold=st.booleans(), seed=st.integers(0, 2**16))
+def test_folding_is_bit_identical_on_generated_solvers(steps, dim, norm, kernel, frames, fold, seed):
+    """Generated solvers (steps, width, weight norm or not, kernel, a catalog of chunk sizes): the
+    optimized catalog, folded or not, equals the exported programs bit for bit on random inputs."""
+    torch.manual_seed(seed)
+    model = Solver(steps, dim, norm, kernel).eval()
+    eps = [torch.export.export(model, (torch.randn(1, dim, f),)) for f in frames]
+    prog = cf.optimize(eps, cf.Contract(clocks=(cf.Clock("frame", frames[0]),), fold_weights=fold), replay="off")
+    assert (prog.stats["passes"].get("fold_weights", 0) > 0) == fold  # Snake's 1/alpha at least
+    g = torch.Generator().manual_seed(seed)
+    for ep, f in zip(eps, frames):
+        for _ in range(2):
+            x = torch.randn(1, dim, f, generator=g)
+            with torch.no_grad():
+                assert torch.equal(prog(x), ep.module()(x))
