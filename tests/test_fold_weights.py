@@ -154,3 +154,24 @@ def test_folding_is_bit_identical_on_generated_solvers(steps, dim, norm, kernel,
             x = torch.randn(1, dim, f, generator=g)
             with torch.no_grad():
                 assert torch.equal(prog(x), ep.module()(x))
+
+
+def test_a_host_tensor_moved_to_the_device_every_call_is_hoisted_with_or_without_folding():
+    """``table.to(x.device)`` of a host buffer is a view by its schema but a copy on every call;
+    hoisting it is about host-built constants, so folding weights must not drop it."""
+    class Lookup(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.arange(6.0).double())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.table.to(x.dtype)[: x.shape[-1]]
+
+    ep = torch.export.export(Lookup(), (torch.randn(2, 4),))
+    assert any("to" in str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+    for fold in (False, True):
+        prog = cf.optimize(ep, _contract(fold), replay="off")
+        assert not any(".to" in str(n.target) or "_to_copy" in str(n.target)
+                       for n in prog.graph_modules()[0].graph.nodes if n.op == "call_function"), fold
+        x = torch.randn(2, 4)
+        assert torch.equal(prog(x), ep.module()(x))

@@ -83,7 +83,8 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 host_built.add(n)
             if not is_view(n) or any(i in computes for i in inputs):
                 computes.add(n)
-    hoisted = computes if contract.fold_weights else host_built
+    # host-built always (a ``to(device)`` of a weight is a view by schema, yet a copy every call)
+    hoisted = host_built | computes if contract.fold_weights else host_built
     boundary = [n for n in graph.nodes if n in hoisted and n.op == "call_function"
                 and any(u not in const for u in n.users) and isinstance(n.meta.get("val"), torch.Tensor)]
     env: dict[Node, object] = {}
