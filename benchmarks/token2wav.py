@@ -62,7 +62,7 @@ OPT_CELLS = {
     "Rc": dict(state=False, replay="auto", granularity="chunk", step_segments=True),
     "SR": dict(state=True, replay="auto", granularity="step"),
     "SRc": dict(state=True, replay="auto", granularity="chunk", step_segments=True),
-    # the whole CFM loop as one graph: its launch is not overlapped (session 3: 107 ms vs 74 ms)
+    # the whole CFM loop as one graph: its launch is not overlapped (H200 run A: 104 ms vs 71 ms)
     "SRc1": dict(state=True, replay="auto", granularity="chunk", step_segments=False),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12

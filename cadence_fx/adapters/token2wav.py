@@ -671,7 +671,7 @@ def token2wav_contract(cfg: Token2WavConfig, granularity: Granularity = "chunk",
     estimator (``"step"``: one partition per solver step), and the vocoder. At the chunk clock,
     ``step_segments`` (default) captures the CFM loop as one graph per solver step
     (``Contract.split_at`` the estimator) while keying and replaying it once per chunk: on the H200
-    the single 10,000-node graph of the whole loop ran 107 ms per chunk, the ten step graphs 74 ms
+    the single 10,400-node graph of the whole loop ran 104 ms per chunk, the ten step graphs 71 ms
     (``docs/benchmarks.md``). :func:`export_step_catalog` then exports with the estimator visible.
     """
     if granularity not in ("chunk", "step"):
