@@ -1,17 +1,26 @@
 """cadence_fx: exact state and exact-shape replay for streaming ``torch.export`` programs.
 
-    prog = cadence_fx.optimize(exported_program, contract)   # drop-in for exported_program.module()
+    eps = cadence_fx.export_catalog(step, contract, example)  # one static program per catalog class
+    prog = cadence_fx.optimize(eps, contract)                  # drop-in for ep.module()
 """
 
+import logging
+
 from cadence_fx.audit import RetentionMismatch
-from cadence_fx.contract import Clock, Contract, ContractError, HeadTail, Region, Ring, SlidingWindow
+from cadence_fx.contract import (WHOLE_STEP, Clock, Contract, ContractError, HeadTail, Region, Ring,
+                                 SlidingWindow)
+from cadence_fx.export import example_inputs, export_catalog
 from cadence_fx.passes.hoist_constants import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, plan, region_extents
-from cadence_fx.program import CatalogMiss, OptimizedProgram, optimize
+from cadence_fx.program import OptimizedProgram, optimize
+from cadence_fx.runtime.catalog import CatalogMiss, reference
+from cadence_fx.runtime.state import StaleState
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail", "OptimizedProgram", "Plan", "Region",
-    "RetentionMismatch", "Ring", "SlidingWindow", "WeightsChanged", "call_classes", "optimize", "plan",
-    "region_extents",
+    "RetentionMismatch", "Ring", "SlidingWindow", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
+    "example_inputs", "export_catalog", "optimize", "plan", "reference", "region_extents",
 ]
 __version__ = "0.1.0"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+from torch.fx import GraphModule, Node
 from torch.fx.node import has_side_effect
+
+from cadence_fx.annotations import AUDITOR_ATTR
 
 
 class RetentionMismatch(AssertionError):
@@ -41,12 +46,10 @@ def audit(auditor: Auditor, region: str, what: str, actual: torch.Tensor, expect
     auditor.check(region, what, actual, expected)
 
 
-def auditor_node(gm, ctx):
+def auditor_node(gm: GraphModule, auditor: Auditor) -> Node:
     """A ``get_attr`` node for the program's auditor (FX can only reference objects through attributes)."""
-    import warnings
-
-    if not hasattr(gm, "_cf_auditor"):
-        gm._cf_auditor = ctx.auditor
+    if not hasattr(gm, AUDITOR_ATTR):
+        setattr(gm, AUDITOR_ATTR, auditor)
     with warnings.catch_warnings():  # FX warns for attributes that are not tensors or modules
         warnings.simplefilter("ignore")
-        return gm.graph.get_attr("_cf_auditor")
+        return gm.graph.get_attr(AUDITOR_ATTR)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Mapping, Union
 
 Order = Literal["old_new", "new_old"]
-Lifetime = Literal["call", "chunk", "turn", "session"]
+
+#: ``Contract.wrap`` entry that wraps the whole step: the root module's path, on every node's stack.
+WHOLE_STEP = ""
 
 
 class ContractError(ValueError):
@@ -28,7 +30,7 @@ class Clock:
     unit: str = ""
 
     def __post_init__(self) -> None:
-        if not self.name:
+        if not isinstance(self.name, str) or not self.name:
             raise ContractError("Clock.name: must be a non-empty string")
         if not isinstance(self.stride, int) or self.stride <= 0:
             raise ContractError(f"Clock {self.name!r}: stride must be a positive int, got {self.stride!r}")
@@ -44,6 +46,9 @@ class HeadTail:
     head: int
     tail: int
 
+    def __post_init__(self) -> None:
+        _check_retention("HeadTail", self)
+
     def bound(self) -> int:
         return self.head + self.tail
 
@@ -57,6 +62,9 @@ class SlidingWindow:
 
     size: int
 
+    def __post_init__(self) -> None:
+        _check_retention("SlidingWindow", self)
+
     def bound(self) -> int:
         return self.size
 
@@ -66,9 +74,19 @@ class SlidingWindow:
 
 @dataclass(frozen=True)
 class Ring:
-    """A cache of fixed ``capacity`` that the model overwrites in place (Moshi-style ring)."""
+    """A region of fixed ``capacity``: a cache the model overwrites in place (Moshi-style ring), or a
+    fixed-size context it rebuilds whole every call (a causal conv's left context).
+
+    ``Region.order`` on a Ring says how the model concatenates the region when it does
+    (``cat([ctx, new])`` then the last ``capacity`` positions) and must be ``None`` when it never
+    concatenates it (it writes positions in place); both are checked against the graph. A Ring may
+    start empty (``initial=0``, a history with nothing in it yet) or full (``initial=capacity``).
+    """
 
     capacity: int
+
+    def __post_init__(self) -> None:
+        _check_retention("Ring", self)
 
     def bound(self) -> int:
         return self.capacity
@@ -92,10 +110,10 @@ class Region:
         axis: the clock axis of the region tensor (negative values count from the end).
         order: how the model concatenates: ``"old_new"`` (``cat([cache, new])``) or
             ``"new_old"`` (``cat([new, cache])``). Declared, checked, reproduced; never "fixed".
+            ``None`` only for a :class:`Ring` the model writes in place without concatenating.
         retention: the policy that bounds the extent.
         initial: extent of the region at the first call after setup (the prompt), e.g. 302.
         growth: positions appended per call; defaults to the clock's stride.
-        lifetime: how long the region lives; ``"turn"`` regions may be restored from snapshots.
         live: dims other than ``axis`` whose stock capacity exceeds what is ever written and
             read, mapped to the live size (e.g. ``{0: 10}`` for 10 of 16 solver-step slots).
     """
@@ -105,12 +123,37 @@ class Region:
     output: int
     clock: str
     axis: int
-    order: Order
+    order: Order | None
     retention: Retention
     initial: int
     growth: int | None = None
-    lifetime: Lifetime = "turn"
     live: Mapping[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        where = f"Region {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ContractError("Region.name: must be a non-empty string")
+        for attr in ("input", "clock"):
+            if not isinstance(getattr(self, attr), str) or not getattr(self, attr):
+                raise ContractError(f"{where}.{attr}: must be a non-empty string, got {getattr(self, attr)!r}")
+        for attr in ("output", "axis"):
+            if not _is_int(getattr(self, attr)):
+                raise ContractError(f"{where}.{attr}: must be an int, got {getattr(self, attr)!r}")
+        _check_retention(f"{where}.retention", self.retention)
+        ring = isinstance(self.retention, Ring)
+        if self.order not in ("old_new", "new_old") and not (ring and self.order is None):
+            allowed = "'old_new', 'new_old' or None" if ring else "'old_new' or 'new_old' (None only for a Ring)"
+            raise ContractError(f"{where}.order: must be {allowed}, got {self.order!r}")
+        if not _is_int(self.initial) or self.initial < 0:
+            raise ContractError(f"{where}.initial: must be a non-negative int, got {self.initial!r}")
+        if ring and self.initial not in (0, self.retention.capacity):
+            raise ContractError(f"{where}.initial: a Ring region starts empty (0) or full "
+                                f"({self.retention.capacity}), got initial={self.initial}")
+        if self.growth is not None and (not _is_int(self.growth) or self.growth <= 0):
+            raise ContractError(f"{where}.growth: must be a positive int, got {self.growth!r}")
+        for d, n in dict(self.live).items():
+            if not _is_int(d) or not _is_int(n) or n <= 0:
+                raise ContractError(f"{where}.live[{d!r}]: must map a dim to a positive int, got {n!r}")
 
 
 @dataclass(frozen=True)
@@ -121,7 +164,8 @@ class Contract:
         clocks: the model's clocks.
         regions: the persistent state regions.
         wrap: module paths (as in the exported program's ``nn_module_stack``) whose calls become
-            replay partitions. A path wraps every node whose stack contains it.
+            replay partitions. A path wraps every node whose stack contains it; ``WHOLE_STEP``
+            (``""``, the root) wraps the whole step, solver loops written inline in ``forward`` included.
         admit: optional predicate deciding whether a catalog class may be replayed. It receives
             the clock strides by clock name and the region extents by region name, e.g.
             ``lambda c: c["frame"] <= 50``; refused classes run eagerly, counted.
@@ -161,54 +205,57 @@ class Contract:
     def growth(self, region: Region) -> int:
         return region.growth if region.growth is not None else self.clock(region.clock).stride
 
+    def __post_init__(self) -> None:
+        self.validate_self()
+
     def validate_self(self) -> None:
-        """Checks that need no program: names, policies, bounds."""
+        """Checks that need no program: names, policies, bounds, one region per input and output."""
+        for c in self.clocks:
+            if not isinstance(c, Clock):
+                raise ContractError(f"Contract.clocks: expected Clock entries, got {c!r}")
         names = [c.name for c in self.clocks]
         if len(set(names)) != len(names):
             raise ContractError(f"Contract.clocks: duplicate clock names {names}")
-        seen: set[str] = set()
+        seen: dict[str, dict[object, str]] = {"name": {}, "input": {}, "output": {}}
         for r in self.regions:
+            if not isinstance(r, Region):
+                raise ContractError(f"Contract.regions: expected Region entries, got {r!r}")
             where = f"Region {r.name!r}"
-            if r.name in seen:
-                raise ContractError(f"{where}: duplicate region name")
-            seen.add(r.name)
+            for attr in ("name", "input", "output"):
+                value = getattr(r, attr)
+                if value in seen[attr]:
+                    other = seen[attr][value]
+                    raise ContractError(
+                        f"{where}.{attr}: {value!r} is already region {other!r}'s; one input or output carries "
+                        f"one region (a second declaration would give it a second buffer)" if attr != "name"
+                        else f"{where}: duplicate region name")
+                seen[attr][value] = r.name
             self.clock(r.clock)  # raises with the list of clocks
-            if r.order not in ("old_new", "new_old"):
-                raise ContractError(f"{where}.order: must be 'old_new' or 'new_old', got {r.order!r}")
-            if r.lifetime not in ("call", "chunk", "turn", "session"):
-                raise ContractError(f"{where}.lifetime: unknown lifetime {r.lifetime!r}")
-            _check_retention(where, r.retention)
-            if not isinstance(r.initial, int) or r.initial < 0:
-                raise ContractError(f"{where}.initial: must be a non-negative int, got {r.initial!r}")
-            g = self.growth(r)
-            if g <= 0:
-                raise ContractError(f"{where}.growth: must be positive, got {g}")
-            if isinstance(r.retention, Ring) and r.initial not in (0, r.retention.capacity):
-                raise ContractError(
-                    f"{where}.initial: a Ring region always has its capacity "
-                    f"({r.retention.capacity}) as extent, got initial={r.initial}"
-                )
-            for d, n in r.live.items():
-                if not isinstance(n, int) or n <= 0:
-                    raise ContractError(f"{where}.live[{d}]: must be a positive int, got {n!r}")
-        for w in self.wrap:
-            if not isinstance(w, str) or not w:
-                raise ContractError(f"Contract.wrap: entries must be non-empty module paths, got {w!r}")
+        for field_name, paths in (("wrap", self.wrap), ("split_at", self.split_at)):
+            if isinstance(paths, str):
+                raise ContractError(f"Contract.{field_name}: a tuple of module paths, got the string {paths!r}")
+            for w in paths:
+                if not isinstance(w, str) or (not w and field_name == "split_at"):
+                    raise ContractError(f"Contract.{field_name}: entries must be module paths, got {w!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check_retention(where: str, pol: object) -> None:
     if pol is None:
-        raise ContractError(f"{where}.retention: unbounded retention (None) is not allowed; "
+        raise ContractError(f"{where}: unbounded retention (None) is not allowed; "
                             "declare HeadTail, SlidingWindow or Ring")
     if isinstance(pol, HeadTail):
-        if pol.head < 0 or pol.tail < 0 or pol.head + pol.tail == 0:
-            raise ContractError(f"{where}.retention: HeadTail(head={pol.head}, tail={pol.tail}) "
-                                "must keep a positive, non-negative head and tail")
+        if not (_is_int(pol.head) and _is_int(pol.tail)) or pol.head < 0 or pol.tail < 0 or pol.head + pol.tail == 0:
+            raise ContractError(f"{where}: HeadTail(head={pol.head!r}, tail={pol.tail!r}) needs non-negative "
+                                "int head and tail, not both zero")
     elif isinstance(pol, SlidingWindow):
-        if pol.size <= 0:
-            raise ContractError(f"{where}.retention: SlidingWindow(size={pol.size}) must be positive")
+        if not _is_int(pol.size) or pol.size <= 0:
+            raise ContractError(f"{where}: SlidingWindow(size={pol.size!r}) needs a positive int size")
     elif isinstance(pol, Ring):
-        if pol.capacity <= 0:
-            raise ContractError(f"{where}.retention: Ring(capacity={pol.capacity}) must be positive")
+        if not _is_int(pol.capacity) or pol.capacity <= 0:
+            raise ContractError(f"{where}: Ring(capacity={pol.capacity!r}) needs a positive int capacity")
     else:
-        raise ContractError(f"{where}.retention: unknown policy {pol!r}")
+        raise ContractError(f"{where}: unknown retention policy {pol!r}; declare HeadTail, SlidingWindow or Ring")

@@ -1,4 +1,8 @@
-"""The pass pipeline, in the one order it runs. Each entry is ``(GraphModule, PassContext) -> GraphModule``."""
+"""The pass pipeline, in the one order it runs. Each entry is ``(GraphModule, PassContext) -> GraphModule``.
+
+The pipeline ends at an annotated graph (:mod:`cadence_fx.annotations`); the runtime
+(:mod:`cadence_fx.runtime`) installs the replay engines on it.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import carry_writeback
 from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.inline_grad_regions import inline_grad_regions
-from cadence_fx.passes.lower_replay import lower_replay
+from cadence_fx.passes.mark_replay import mark_replay
 from cadence_fx.passes.partition import partition
 from cadence_fx.passes.retention_in_place import retention_in_place
 from cadence_fx.passes.shrink_workspace import shrink_workspace
@@ -20,7 +24,7 @@ PIPELINE = (
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     partition,            # one sub-GraphModule per wrapped invocation
-    lower_replay,         # wrapped partitions -> exact-shape replay runners
+    mark_replay,          # wrapped partitions -> annotated with what they alias, read and write
 )
 
 

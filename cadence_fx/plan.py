@@ -24,13 +24,13 @@ from cadence_fx.graph_utils import view_root
 def region_extents(region: Region, growth: int, *, max_calls: int = 10_000) -> list[int]:
     """Input extents the region takes, call after call, until the retention policy pins it."""
     pol = region.retention
-    t = pol.capacity if isinstance(pol, Ring) else region.initial
+    t = region.initial  # a Ring starts empty (0) or full; after one call it is full
     seen: list[int] = []
     for _ in range(max_calls):
         if t in seen:
             return seen
         seen.append(t)
-        t = pol.apply(t + growth) if not isinstance(pol, Ring) else t
+        t = pol.apply(t + growth)
     raise ContractError(f"Region {region.name!r}: extent never settles under {pol!r} "
                         f"(growth {growth}); the retention is unbounded in effect")
 

@@ -80,6 +80,10 @@ class CudaGraphBackend:
         return torch.device("cuda", torch.cuda.current_device() if self._device is None
                             else torch.device("cuda", self._device).index)
 
+    def streams(self) -> list[torch.cuda.Stream]:
+        """The warm-up and capture streams created so far (one each per device)."""
+        return list(self._streams.values())
+
     def _stream(self, role: str) -> torch.cuda.Stream:
         dev = self.device
         key = (role, dev.index)
@@ -227,6 +231,7 @@ class ClassReport:
     staging_bytes: int = 0             # static input buffers, outside the graph pool
     aliased_ptrs: dict[int, int] = field(default_factory=dict)
     copy_back: tuple[int, ...] = ()    # staged arguments fn mutates, written back after replay
+    snapshotted: frozenset[int] = frozenset()  # storages of the arguments capture snapshotted to rewind
     error: str | None = None
 
 
@@ -485,6 +490,7 @@ class ExactShapeReplay:
             except Exception as again:  # a broken capture can leave the stream unusable
                 log.error("%s: could not restore state after failed capture: %r", self.name, again)
             return self._refuse(key, "capture_failed", error=_describe(exc))
+        snapshotted = frozenset(_storage_ptr(tensors[i]) for i in saved)
         del saved
 
         staged = tuple(st.index for st in stages)
@@ -495,6 +501,7 @@ class ExactShapeReplay:
             staging_bytes=sum(static_args[i].untyped_storage().nbytes() for i in staged),
             aliased_ptrs={i: args[i].data_ptr() for i in self.aliased},
             copy_back=tuple(sorted(i for i in mutated if i in staged)),
+            snapshotted=snapshotted,
         )
         keep = tuple(o is not None and _storage_ptr(o) in owned for o in static_outputs)
         self._graphs[key] = _Graph(report, replay, static_args, tuple(stages), static_outputs, rebuild, keep)
@@ -504,6 +511,10 @@ class ExactShapeReplay:
         log.info("%s: captured class in %.3fs (%s, %d graph bytes)", self.name,
                  report.capture_seconds, report.effect, graph_bytes)
         return report
+
+    def refusals(self) -> dict[Signature, str]:
+        """Signatures whose calls run eagerly, with the reason (capture failed, host randomness, ...)."""
+        return dict(self._refused)
 
     def invalidate(self, key: Signature | None = None) -> None:
         """Drop one captured class (or all); its calls then run eager as ``invalidated``."""

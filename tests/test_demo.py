@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cadence_fx as cf
+from cadence_fx.annotations import WORKSPACE_PREFIX
 from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 from cadence_fx.graph_utils import overload_name
 from tests.helpers import live_view, run_streams, sha256
@@ -101,7 +102,7 @@ def test_hoisting_removes_host_table_and_keeps_bits():
 def test_verify_mode_names_region_and_call_on_a_broken_retention(monkeypatch):
     import cadence_fx.passes.retention_in_place as rip
 
-    real = rip._parts
+    real = rip.retained_parts
 
     def broken(value, site, growth):
         parts = real(value, site, growth)
@@ -109,7 +110,7 @@ def test_verify_mode_names_region_and_call_on_a_broken_retention(monkeypatch):
             p.src_offset = p.dst_offset  # pretend the tail is already in place: the stale-tail bug
         return parts
 
-    monkeypatch.setattr(rip, "_parts", broken)
+    monkeypatch.setattr(rip, "retained_parts", broken)
     cfg = DemoConfig()
     model, contract, eps = _setup(cfg)
     prog = cf.optimize(eps, contract, verify=True)
@@ -164,8 +165,8 @@ def test_workspace_is_demand_sized_and_shared_across_classes():
     _model, contract, eps = _setup(cfg)
     prog = cf.optimize(eps, contract)
     copies = {(b.untyped_storage().data_ptr(), tuple(b.shape))
-              for gm in prog.graph_modules() for mod in gm.modules()
-              for name, b in mod._buffers.items() if name.startswith("_cf_workspace_")}
+              for gm in prog.graph_modules() for name, b in gm.named_buffers()
+              if name.rpartition(".")[2].startswith(WORKSPACE_PREFIX)}
     # stock (slots=5, capacity=64); demand: the 3 live step slots x the longest in-flight extent (14 + 4)
     assert copies and {shape for _ptr, shape in copies} == {(cfg.steps, cfg.head + cfg.tail + cfg.chunk, 2 * cfg.dim)}
     assert len({ptr for ptr, _shape in copies}) == 1, "each catalog class got its own copy"
@@ -239,29 +240,18 @@ def test_saved_and_loaded_catalog_shares_one_copy_of_the_weights(tmp_path):
 def test_optimize_keeps_one_workspace_copy_alive():
     """Catalog classes grow the shared workspace copy one after another; the outgrown copies are freed."""
     import gc
-    import weakref
-
-    import cadence_fx.passes.shrink_workspace as sw
-
-    made = []
-    original = sw._shared_copy
-
-    def spy(gm, ctx, stock, bounds):
-        name = original(gm, ctx, stock, bounds)
-        made.append(weakref.ref(getattr(gm, name)))
-        return name
 
     cfg = DemoConfig()
     model, contract, eps = _setup(cfg)
-    sw._shared_copy = spy
-    try:
-        prog = cf.optimize(eps, contract)
-    finally:
-        sw._shared_copy = original
+    prog = cf.optimize(eps, contract)
+    (final,) = prog.workspaces()
     gc.collect()
-    alive = {id(t): t for t in (r() for r in made) if t is not None}
-    holding = [t for t in alive.values() if t.untyped_storage().nbytes() > 0]
-    assert len(holding) == 1 and holding[0] is prog._workspaces[0]
+    # a tensor with the copy's layout but fewer frames, still holding bytes, is an outgrown copy kept alive
+    outgrown = [t for t in gc.get_objects() if type(t) is torch.Tensor and t.dim() == 3
+                and (t.shape[0], t.shape[2]) == (cfg.steps, 2 * cfg.dim) and t.shape[1] < final.shape[1]
+                and t.untyped_storage().nbytes() > 0
+                and t.untyped_storage().data_ptr() != final.untyped_storage().data_ptr()]
+    assert final.shape[1] == cfg.head + cfg.tail + cfg.chunk and not outgrown
     refs, opts, _ = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 6)
     _same(refs, opts, cfg)
 
@@ -270,21 +260,18 @@ def test_warmup_snapshots_no_region_or_workspace_per_capture(monkeypatch):
     """Warm-up keeps one host copy of the regions and workspaces for the whole warm-up; the captures
     inside it (the solver's writes into the workspace) do not snapshot them again, and the stream
     after warm-up is still bit-exact."""
-    import cadence_fx.replay as replay
     from cadence_fx.replay import FakeBackend
 
     cfg = DemoConfig()
     model, contract, eps = _setup(cfg, wrap=("encoder", "solver.estimator"))
     prog = cf.optimize(eps, contract, replay=FakeBackend())
-    snapped: list[int] = []
-    real = replay._snapshot
-    monkeypatch.setattr(replay, "_snapshot", lambda t: snapped.append(t.untyped_storage().data_ptr()) or real(t))
     state0 = list(model.initial_state())
     prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
-    owned = {t.untyped_storage().data_ptr() for t in list(prog.region_buffers.values()) + prog._workspaces}
-    assert prog.counters()["captures"] > 0 and prog._workspaces
-    assert not owned & set(snapped), "a capture inside warm-up snapshotted a region or workspace"
-    assert prog._preserved_ptrs == frozenset()
+    owned = prog.owned_storages()
+    reports = [r for eng in prog.runners().values() for r in eng.classes.values()]
+    assert prog.counters()["captures"] > 0 and prog.workspaces() and reports
+    assert not [r.snapshotted & owned for r in reports if r.snapshotted & owned], \
+        "a capture inside warm-up snapshotted a region or workspace"
     refs, opts, _ = run_streams(eps, prog, _inputs(cfg), state0, REGION_OUT, 6)
     _same(refs, opts, cfg)
     assert prog.counters()["eager"] == 0

@@ -2,56 +2,96 @@
 
 The order they run in is stated once, in :mod:`cadence_fx.pipeline`, which also regenerates the
 module's code once after the last pass (a pass edits the graph; only ``partition`` needs current code).
+Passes end at annotated graphs (:mod:`cadence_fx.annotations`): nothing here runs or replays.
+
+The context a pass sees has three parts: the frozen :class:`PassConfig` (the same for every
+program of one ``optimize``), the :class:`CatalogTables` every program of the catalog shares (one
+buffer per hoisted value, one copy per workspace), and this program's :class:`ProgramFacts`.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.fx import Node
 
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
-from cadence_fx.plan import Plan
+
+if TYPE_CHECKING:
+    from cadence_fx.audit import Auditor
+    from cadence_fx.passes.hoist_constants import FoldedWeights
 
 log = logging.getLogger("cadence_fx.passes")
 
 
+@dataclass(frozen=True)
+class PassConfig:
+    """Settings fixed for one ``optimize`` call."""
+
+    contract: Contract
+    state_rule: bool = True  # off: regions stay as the program allocates them (the paper's R cells)
+    verify: bool = False     # shadow-run the stock concatenations and compare (needs the state rule)
+    auditor: "Auditor | None" = None
+
+
+@dataclass
+class SharedWorkspace:
+    """One demand-sized copy of a program-owned workspace, shared by every program of a catalog."""
+
+    stock: torch.Tensor | None  # the user's workspace (dropped once every program is built)
+    bounds: list[int]           # the union of the boxes the programs reach
+    tensor: torch.Tensor | None = None
+    stale: list[torch.Tensor] = field(default_factory=list)  # outgrown copies, freed after the last program
+
+
+@dataclass
+class CatalogTables:
+    """What the programs of one catalog share, filled as they are rewritten one after another."""
+
+    # hoisted constants by (shape, stride, dtype, device, digest): one buffer per value
+    constants: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
+    # workspace copies by the stock workspace's (storage, offset, shape, dtype)
+    workspaces: dict[tuple, SharedWorkspace] = field(default_factory=dict)
+    # SHA-256 of the weights hoisted cones read, by (pointer, shape, stride, dtype, version)
+    digests: dict[tuple, str] = field(default_factory=dict)
+
+
 @dataclass
 class RegionState:
-    """Per-program facts the state passes share about one region."""
+    """What the state passes share about one region of one program."""
 
     buffer_attr: str  # attribute name of the contract-owned flat buffer on the GraphModule
     placeholder: Node
     carry: Node | None = None  # view of the buffer holding history + new positions (in-place append)
-    carry_extent: int | None = None
+
+
+@dataclass
+class ProgramFacts:
+    """Per-program inputs and findings: the region sites and buffers in, what the passes found out."""
+
+    sites: dict[str, RegionSite]
+    region_buffers: dict[str, torch.Tensor]
+    regions: dict[str, RegionState] = field(default_factory=dict)
+    changed: dict[str, int] = field(default_factory=dict)
+    folded_weights: "FoldedWeights | None" = None
 
 
 @dataclass
 class PassContext:
-    """What every pass may read: the contract, its plan, this program's region sites, and settings."""
+    """What every pass may read and record."""
 
-    contract: Contract
-    plan: Plan
-    sites: dict[str, RegionSite]
-    region_buffers: dict[str, torch.Tensor]
-    verify: bool = False
-    state_rule: bool = True  # off: regions stay as the program allocates them (the paper's R cells)
-    auditor: Any = None
-    make_runner: Callable[..., Any] | None = None
-    regions: dict[str, RegionState] = field(default_factory=dict)
-    changed: dict[str, int] = field(default_factory=dict)
-    runners: dict[str, Any] = field(default_factory=dict)
-    demand: dict[str, tuple] = field(default_factory=dict)  # workspace -> (stock shape, demand shape)
-    # one demand-sized copy per stock workspace, shared by every program of one optimized program
-    shared_workspaces: dict[tuple, dict] = field(default_factory=dict)
-    # hoisted constants by value, shared by every program of one optimized program
-    shared_constants: dict[tuple, list] = field(default_factory=dict)
-    folded_weights: Any = None  # hoist_constants.FoldedWeights: the weights this program folded
+    config: PassConfig
+    tables: CatalogTables
+    program: ProgramFacts
+
+    @property
+    def contract(self) -> Contract:
+        return self.config.contract
 
     def record(self, pass_name: str, count: int) -> None:
-        self.changed[pass_name] = self.changed.get(pass_name, 0) + count
+        self.program.changed[pass_name] = self.program.changed.get(pass_name, 0) + count
         log.info("%s: %d node(s) changed", pass_name, count)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import REGION_PREFIX
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
 from cadence_fx.graph_utils import (aten, cat_dim, flat_view, is_view, numel, overload_name, reach, register_tensor,
@@ -25,26 +26,32 @@ _AXIS_PRESERVING = {"alias", "detach", "contiguous", "clone"}
 
 def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Bind every region to its buffer; rewrite the region's append-concatenation into an in-place write."""
-    if not ctx.state_rule:
+    if not ctx.config.state_rule:
         return gm
     graph = gm.graph
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     changed = 0
-    for name, site in ctx.sites.items():
+    for name, site in ctx.program.sites.items():
         region = site.region
         ph = placeholders[region.input]
-        attr = register_tensor(gm, f"_cf_region_{_ident(name)}_", ctx.region_buffers[name])
+        attr = register_tensor(gm, f"{REGION_PREFIX}{_ident(name)}_", ctx.program.region_buffers[name])
         state = RegionState(buffer_attr=attr, placeholder=ph)
-        ctx.regions[name] = state
+        ctx.program.regions[name] = state
         if site.live:
             _bind_live(gm, site, ph)
         cats = _cats_on_axis(ph, site.axis)
         if not cats:
-            if site.extent > 0 and not _is_ring(site):
+            if site.extent > 0 and region.order is not None:
+                hint = "; a Ring the model writes in place declares order=None" if _is_ring(site) else ""
                 raise ContractError(
                     f"Region {name!r}: the graph never concatenates input {region.input!r} along axis "
-                    f"{site.axis}; the cache pattern does not match the declaration")
+                    f"{site.axis}, but order={region.order!r} is declared; the cache pattern does not match "
+                    f"the declaration{hint}")
             continue
+        if region.order is None:
+            raise ContractError(
+                f"Region {name!r}: declared order=None (a Ring written in place), but node {cats[0][0].name} "
+                f"concatenates input {region.input!r} along axis {site.axis}; declare the order the model uses")
         for cat, pos, n_parts in cats:
             found = "old_new" if pos == 0 else "new_old" if pos == n_parts - 1 else f"middle operand {pos}"
             if found != region.order:
@@ -58,7 +65,7 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue  # the output-side writeback (retention_in_place) still owns the region
         cat = direct[0]
         cat_shape = shape_of(cat)
-        capacity = ctx.region_buffers[name].numel()
+        capacity = ctx.program.region_buffers[name].numel()
         if cat_shape is None or numel(cat_shape) > capacity:
             continue
         inner = numel(site.shape[site.axis + 1:])
@@ -79,10 +86,10 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
             node.meta.setdefault("nn_module_stack", cat.meta.get("nn_module_stack", {}))
             node = node.next
         cat.replace_all_uses_with(carry)
-        if ctx.verify:  # the original concatenation stays in the graph as the audit's reference
+        if ctx.config.verify:  # the original concatenation stays in the graph as the audit's reference
             with graph.inserting_before(cat.next):
-                graph.call_function(audit, (auditor_node(gm, ctx), name, "carry append", carry, cat))
-        state.carry, state.carry_extent = carry, cat_shape[site.axis]
+                graph.call_function(audit, (auditor_node(gm, ctx.config.auditor), name, "carry append", carry, cat))
+        state.carry = carry
         changed += 1
     graph.eliminate_dead_code()
     ctx.record("carry_writeback", changed)

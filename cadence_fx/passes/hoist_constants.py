@@ -26,6 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from cadence_fx.annotations import CONST_PREFIX
 from cadence_fx.determinism import bits_equal, sha256_tensors
 from cadence_fx.graph_utils import is_mutating, is_view, overload_name, register_tensor, view_root
 from cadence_fx.passes import PassContext
@@ -37,6 +38,9 @@ _FACTORIES = {"arange", "zeros", "ones", "full", "scalar_tensor", "linspace", "l
 # A copy that changes device or dtype: the per-call host-to-device transfer we are removing.
 _COPIES = {"_to_copy", "to", "_assert_tensor_metadata"}
 _UNDEFINED = {"empty", "empty_like", "empty_strided"}
+# In-place ops that change no value of a program run without autograd: ``torch.tensor(x)`` exports as
+# ``lift_fresh_copy`` + ``detach_``, and the cone must go on through it.
+_INERT_IN_PLACE = {"detach_"}
 
 
 class WeightsChanged(RuntimeError):
@@ -45,9 +49,11 @@ class WeightsChanged(RuntimeError):
 
 @dataclass
 class FoldedWeights:
-    """The weights and constants one program's hoisted cones read, with their version counters."""
+    """The weights and constants one program's hoisted cones read, with their version counters and
+    the SHA-256 of their bytes when they were read."""
 
     sources: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    digests: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise :class:`WeightsChanged` when a source was written since it was folded (a few µs a call)."""
@@ -56,6 +62,18 @@ class FoldedWeights:
                 raise WeightsChanged(
                     f"weight {name!r} changed in place after cadence_fx.optimize computed constants from "
                     f"it once; optimize again with the new weights")
+
+    def verify(self) -> None:
+        """Raise :class:`WeightsChanged` when a source's bytes differ from when it was folded.
+
+        A full read of every source: it also catches edits that bypass the version counter
+        (``w.data.mul_(2)``), which :meth:`check` cannot see.
+        """
+        for name, t, _version in self.sources:
+            if name in self.digests and sha256_tensors(t) != self.digests[name]:
+                raise WeightsChanged(
+                    f"weight {name!r} differs from its bytes when cadence_fx.optimize computed constants from it "
+                    f"(an edit through .data or another alias); optimize again with the new weights")
 
 
 def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -73,10 +91,10 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if n not in mutated:
                 const.add(n)
             continue
-        if n.op != "call_function" or is_mutating(n) or _is_random(n):
+        name = overload_name(n)
+        if n.op != "call_function" or (is_mutating(n) and name not in _INERT_IN_PLACE) or _is_random(n):
             continue
         inputs = n.all_input_nodes
-        name = overload_name(n)
         if all(i in const for i in inputs) and (inputs or name in _FACTORIES) and name not in _UNDEFINED:
             const.add(n)
             if name in _FACTORIES or name in _COPIES or any(i in host_built for i in inputs):
@@ -110,9 +128,9 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
     folded = 0
     with torch.no_grad():
         for n in boundary:
-            value = _shared(ctx.shared_constants, evaluate(n))
+            value = _shared(ctx.tables.constants, evaluate(n))
             folded += n not in host_built
-            attr = register_tensor(gm, "_cf_const_", value)
+            attr = register_tensor(gm, CONST_PREFIX, value)
             with graph.inserting_before(n):
                 ref = graph.get_attr(attr)
             ref.meta = dict(n.meta)
@@ -123,9 +141,16 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if n.op == "get_attr" and isinstance(val, torch.Tensor):
             try:
                 weights.sources.append((n.target, val, val._version))
+                key = (val.data_ptr(), tuple(val.shape), val.stride(), val.dtype, val._version)
+                if key not in ctx.tables.digests:  # every class of a catalog reads the same weights
+                    ctx.tables.digests[key] = sha256_tensors(val)
+                weights.digests[n.target] = ctx.tables.digests[key]
             except RuntimeError:  # an inference tensor has no version counter and cannot be edited outside one
                 pass
-    ctx.folded_weights = weights
+    ctx.program.folded_weights = weights
+    for n in reversed(list(graph.nodes)):  # DCE keeps in-place ops; an inert one on a hoisted value goes too
+        if overload_name(n) in _INERT_IN_PLACE and not n.users and n.args and n.args[0] in const:
+            graph.erase_node(n)
     graph.eliminate_dead_code()
     ctx.record("hoist_constants", len(boundary) - folded)
     ctx.record("fold_weights", folded)

@@ -13,6 +13,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import INLINED_PREFIX
 from cadence_fx.graph_utils import register_tensor
 from cadence_fx.passes import PassContext
 
@@ -34,7 +35,7 @@ def inline_grad_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
         with graph.inserting_before(node):
             for inner in sub.graph.nodes:
                 if inner.op == "get_attr":
-                    attr = register_tensor(gm, "_cf_inlined_", getattr(sub, inner.target))
+                    attr = register_tensor(gm, INLINED_PREFIX, getattr(sub, inner.target))
                     val_map[inner] = graph.get_attr(attr)
             result = graph.graph_copy(sub.graph, val_map)
         outs = result if isinstance(result, (tuple, list)) else (result,)

@@ -7,6 +7,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
+from cadence_fx.annotations import SEGMENT, WRAPPED
 from cadence_fx.graph_utils import is_mutating
 from cadence_fx.passes import PassContext
 
@@ -26,7 +27,8 @@ def invocation(node: Node, wrap: tuple[str, ...]) -> str | None:
     """The wrapped invocation a node belongs to: the outermost wrapped module call on its stack.
 
     torch.export keys repeated calls of one module apart (``...@1``), so each solver step of a
-    wrapped estimator is its own invocation and its own partition.
+    wrapped estimator is its own invocation and its own partition. The root path ``""``
+    (``Contract.WHOLE_STEP``) is on every node's stack: wrapping it makes the whole step one partition.
     """
     for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
         if path in wrap:
@@ -41,7 +43,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     graph = gm.graph
     compute = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    label = {n: None if breaks_capture(n) else invocation(n, wrap) for n in compute}
+    label = {n: None if breaks_capture(n) or _is_export_guard(n) else invocation(n, wrap) for n in compute}
     if not any(label.values()):
         return gm
     label = _segments(compute, label, tuple(ctx.contract.split_at))
@@ -80,6 +82,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
             last = label[n]
         part_of[n] = current
     names = {part_of[n]: label[n] for n in schedule}  # (wrapped invocation, segment) or None
+    guards = _lift_export_guards(gm)
     gm.recompile()  # split_module reads the module's code, not only its graph
 
     def callback(node: Node) -> int:
@@ -91,12 +94,13 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if node.op == "call_module" and node.target.startswith("submod_"):
             idx = int(node.target.split("_")[1])
             if names.get(idx) is not None:
-                node.meta["cadence_wrapped"], node.meta["cadence_segment"] = names[idx]
+                node.meta[WRAPPED], node.meta[SEGMENT] = names[idx]
                 wrapped += 1
     split.meta = dict(getattr(gm, "meta", {}))
     # split_module builds a plain graph; keep the exported module's pytree calling convention
     # (a single output stays a tensor, not a 1-tuple)
     split.graph._codegen = gm.graph._codegen
+    _restore_export_guards(split, guards)
     ctx.record("partition", wrapped)
     return split
 
@@ -134,6 +138,33 @@ def breaks_capture(node: Node) -> bool:
     inputs = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     devices = {v.device.type for v in inputs if not (v.dim() == 0 and v.device.type == "cpu")}
     return bool(devices) and len(devices | {val.device.type}) > 1
+
+
+def _is_export_guard(n: Node) -> bool:
+    """torch.export's input guard (``_guards_fn``): a Python call on the inputs, kept out of every
+    partition (inside one it would make the partition's written arguments unknown)."""
+    return n.op == "call_module" and str(n.target).startswith("_guards")
+
+
+def _lift_export_guards(gm: GraphModule) -> list[tuple[str, torch.nn.Module, tuple, dict]]:
+    """Take the input guards out of the graph before splitting (they go back at the top after)."""
+    out = []
+    for n in [n for n in gm.graph.nodes if _is_export_guard(n)]:
+        if n.users or not all(a.op == "placeholder" for a in n.all_input_nodes):
+            continue  # not the plain input check export emits: leave it where it is
+        out.append((str(n.target), gm.get_submodule(str(n.target)),
+                    tuple(a.name if isinstance(a, Node) else a for a in n.args), dict(n.kwargs)))
+        gm.graph.erase_node(n)
+    return out
+
+
+def _restore_export_guards(split: GraphModule, guards: list[tuple[str, torch.nn.Module, tuple, dict]]) -> None:
+    phs = {n.name: n for n in split.graph.nodes if n.op == "placeholder"}
+    first = next((n for n in split.graph.nodes if n.op != "placeholder"), None)
+    for target, module, args, kwargs in guards:
+        split.add_submodule(target, module)
+        with split.graph.inserting_before(first):
+            split.graph.call_module(target, tuple(phs.get(a, a) if isinstance(a, str) else a for a in args), kwargs)
 
 
 def _is_effect(n: Node) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import is_region_attr
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
@@ -34,24 +35,24 @@ class _Part:
 
 def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Write each region's outgoing state into its buffer (compacting in place); check the trim policy."""
-    if not ctx.state_rule:
+    if not ctx.config.state_rule:
         return gm
     graph = gm.graph
     out = output_node(graph)
     outs = flat_outputs(graph)
-    region_out_idx = {site.region.output % len(outs) for site in ctx.sites.values()}
-    buffers = {n for n in graph.nodes if n.op == "get_attr" and n.target.startswith("_cf_region_")}
-    aliased_roots = buffers | {s.placeholder for s in ctx.regions.values()}
+    region_out_idx = {site.region.output % len(outs) for site in ctx.program.sites.values()}
+    buffers = {n for n in graph.nodes if n.op == "get_attr" and is_region_attr(n.target)}
+    aliased_roots = buffers | {s.placeholder for s in ctx.program.regions.values()}
     copies = 0
     with graph.inserting_before(out):
         # outputs that are views of a region must be read before the region is rewritten
         for i, v in enumerate(outs):
             if i not in region_out_idx and isinstance(v, Node) and view_root(v) in aliased_roots:
                 set_flat_output(graph, i, graph.call_function(aten.clone.default, (v,)))
-        for name, site in ctx.sites.items():
-            state = ctx.regions[name]
+        for name, site in ctx.program.sites.items():
+            state = ctx.program.regions[name]
             value = outs[site.region.output % len(outs)]
-            parts = _parts(value, site, ctx.contract.growth(site.region))
+            parts = retained_parts(value, site, ctx.contract.growth(site.region))
             buf = graph.get_attr(state.buffer_attr)
             out_shape = site.live_out_shape
             dst = flat_view(graph, buf, 0, out_shape)
@@ -79,18 +80,18 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                                                                      p.dst_offset + p.length))
                 graph.call_function(aten.copy_.default, (target, src))
                 copies += 1
-            if ctx.verify:
+            if ctx.config.verify:
                 expected = value
                 for d, n in site.live:
                     expected = graph.call_function(aten.narrow.default, (expected, d, 0, n))
-                graph.call_function(audit, (auditor_node(gm, ctx), name, "retention", dst, expected))
+                graph.call_function(audit, (auditor_node(gm, ctx.config.auditor), name, "retention", dst, expected))
             set_flat_output(graph, site.region.output % len(outs), dst)
     graph.eliminate_dead_code()
     ctx.record("retention_in_place", copies)
     return gm
 
 
-def _parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
+def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
     """Decompose the outgoing state into slices of one source, checking them against the policy."""
     r = site.region
     pol = r.retention

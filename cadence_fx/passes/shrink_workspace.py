@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from cadence_fx.annotations import OWNED_PREFIX, WORKSPACE_PREFIX
 from cadence_fx.graph_utils import reach, register_tensor
-from cadence_fx.passes import PassContext
+from cadence_fx.passes import PassContext, SharedWorkspace
+
 
 def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Replace module buffers whose every access is bounded by a smaller box with that box."""
@@ -22,7 +24,7 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
     buffers = dict(gm.named_buffers())
     shrunk = 0
     for node in list(graph.nodes):
-        if node.op != "get_attr" or node.target not in buffers or node.target.startswith("_cf_"):
+        if node.op != "get_attr" or node.target not in buffers or node.target.startswith(OWNED_PREFIX):
             continue
         tensor = buffers[node.target]
         shape = tuple(tensor.shape)
@@ -37,7 +39,7 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         for n, args in rewrites:
             n.args = args
-        attr = _shared_copy(gm, ctx, tensor, bounds)
+        attr = _shared_copy(gm, ctx.tables.workspaces, tensor, bounds)
         stock = node.target
         for use in uses:
             use.target = attr
@@ -45,39 +47,37 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
         owner_path, _, leaf = stock.rpartition(".")
         owner = gm.get_submodule(owner_path) if owner_path else gm
         owner._buffers.pop(leaf, None)
-        ctx.demand[stock] = (shape, tuple(ctx.shared_workspaces[_key(tensor)]["bounds"]))
         shrunk += 1
     graph.lint()
     ctx.record("shrink_workspace", shrunk)
     return gm
 
 
-def _shared_copy(gm: GraphModule, ctx: PassContext, stock, bounds: list[int]) -> str:
+def _shared_copy(gm: GraphModule, table: dict[tuple, SharedWorkspace], stock: torch.Tensor, bounds: list[int]) -> str:
     """Register on ``gm`` the one copy of ``stock`` that covers every program's box (grown as needed).
 
     Each catalog class reaches a different box (302, 352 or 402 frames of history); all of them
     address the same workspace, so one copy of the union box serves every class.
     """
-    entry = ctx.shared_workspaces.get(_key(stock))
+    entry = table.get(_key(stock))
     if entry is None:
-        entry = ctx.shared_workspaces[_key(stock)] = {"stock": stock, "bounds": [0] * len(bounds), "users": [],
-                                                    "tensor": None}
-    union = [max(a, b, 1) for a, b in zip(entry["bounds"], bounds)]
-    if union != entry["bounds"]:
-        entry["bounds"] = union
-        if entry["tensor"] is not None:
-            entry.setdefault("stale", []).append(entry["tensor"])
-        entry["tensor"] = stock[tuple(slice(0, b) for b in union)].clone()
-    return register_tensor(gm, "_cf_workspace_", entry["tensor"])
+        entry = table[_key(stock)] = SharedWorkspace(stock=stock, bounds=[0] * len(bounds))
+    union = [max(a, b, 1) for a, b in zip(entry.bounds, bounds)]
+    if union != entry.bounds or entry.tensor is None:
+        entry.bounds = union
+        if entry.tensor is not None:
+            entry.stale.append(entry.tensor)
+        entry.tensor = stock[tuple(slice(0, b) for b in union)].clone()
+    return register_tensor(gm, WORKSPACE_PREFIX, entry.tensor)
 
 
-def rebind_shared_workspaces(gm: GraphModule, shared: dict[tuple, dict]) -> None:
+def rebind_shared_workspaces(gm: GraphModule, table: dict[tuple, SharedWorkspace]) -> None:
     """Point every module of ``gm`` that holds an outgrown workspace copy at the final (union) copy.
 
     Programs built before a later class grew the box still reference the smaller copy; this runs
     once all programs exist, before anything is captured.
     """
-    final = {id(old): e["tensor"] for e in shared.values() for old in e.get("stale", ())}
+    final = {id(old): e.tensor for e in table.values() for old in e.stale}
     if not final:
         return
     for mod in gm.modules():
@@ -89,21 +89,22 @@ def rebind_shared_workspaces(gm: GraphModule, shared: dict[tuple, dict]) -> None
                 setattr(mod, name, final[id(val)])
 
 
-def release_stale_workspaces(shared: dict[tuple, dict]) -> int:
+def release_stale_workspaces(table: dict[tuple, SharedWorkspace]) -> int:
     """Free the outgrown copies once every program points at the union copy; returns the bytes freed.
 
     The passes' intermediate modules (the graph before partitioning) can outlive the pipeline and
     still name an outgrown copy; the copies are ours (clones), so their storage is released outright.
     """
     freed = 0
-    for e in shared.values():
-        for old in e.pop("stale", ()):
+    for e in table.values():
+        for old in e.stale:
             freed += old.untyped_storage().nbytes()
             old.untyped_storage().resize_(0)
-        e.pop("stock", None)  # the stock workspace belongs to the user's module, not to the program
+        e.stale.clear()
+        e.stock = None  # the stock workspace belongs to the user's module, not to the program
     return freed
 
 
-def _key(t) -> tuple:
+def _key(t: torch.Tensor) -> tuple:
     # the same workspace reaches each exported program as its own tensor object over one storage
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)

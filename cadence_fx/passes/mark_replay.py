@@ -1,4 +1,8 @@
-"""Lowering: each wrapped partition runs through the exact-shape replay engine (eager when it declines)."""
+"""Replay marking: each wrapped partition's call carries a ReplaySpec the runtime replays it by.
+
+The pass only analyses and annotates (:mod:`cadence_fx.annotations`); the runtime installs the
+replay engines (:mod:`cadence_fx.runtime.runners`).
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,17 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import REPLAY, SEGMENT, WRAPPED, ReplaySpec, is_state_attr
 from cadence_fx.graph_utils import flat_outputs, is_mutating, view_root
 from cadence_fx.passes import PassContext
 
 
-def lower_replay(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Swap every wrapped partition for a replay runner; fixed-address arguments are passed as aliased."""
-    if ctx.make_runner is None:
-        return gm
-    owned = {s.placeholder.name for s in ctx.regions.values()}
-    lowered = 0
+def mark_replay(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Annotate every wrapped partition with the arguments it aliases, reads only, and writes."""
+    owned = {s.placeholder.name for s in ctx.program.regions.values()}
+    marked = 0
     for node in gm.graph.nodes:
-        name = node.meta.get("cadence_wrapped")
+        name = node.meta.get(WRAPPED)
         if node.op != "call_module" or name is None:
             continue
         # Parameters, buffers, hoisted constants and region buffers live at fixed addresses for the
@@ -27,23 +30,18 @@ def lower_replay(gm: GraphModule, ctx: PassContext) -> GraphModule:
         roots = {i: _fixed_root(gm, a) for i, a in enumerate(node.args) if isinstance(a, Node)}
         aliased = [i for i, root in roots.items()
                    if root is not None and (root.op == "get_attr" or root.name in owned)]
-        sub = getattr(gm, node.target)
-        written = _written(sub)
+        written = written_arguments(getattr(gm, node.target))
         readonly = [i for i in aliased if written is not None and i not in written and _is_constant(roots[i])]
-        seg = node.meta.get("cadence_segment", 0)
-        name = f"{name}#{seg}" if seg else name
-        runner = ctx.make_runner(sub, name=name, aliased=aliased, readonly=readonly,
-                                 mutable=None if written is None else sorted(written))
-        if runner is None:
-            continue
-        setattr(gm, node.target, runner)
-        ctx.runners[f"{node.target}:{name}"] = runner
-        lowered += 1
-    ctx.record("lower_replay", lowered)
+        seg = node.meta.get(SEGMENT, 0)
+        node.meta[REPLAY] = ReplaySpec(name=f"{name}#{seg}" if seg else name, aliased=tuple(aliased),
+                                       readonly=tuple(readonly),
+                                       written=None if written is None else tuple(sorted(written)))
+        marked += 1
+    ctx.record("mark_replay", marked)
     return gm
 
 
-def _written(sub: GraphModule) -> set[int] | None:
+def written_arguments(sub: GraphModule) -> set[int] | None:
     """Positions of the partition's arguments its graph writes (through any view), or None if unknown.
 
     A partition is a flat ATen graph: every write is an op whose schema marks an argument mutable.
@@ -81,7 +79,7 @@ def _fixed_root(gm: GraphModule, arg: Node) -> Node | None:
             and isinstance(root.args[0], Node) and root.args[0].op == "call_module":
         call, index = root.args[0], root.args[1]
         sub = getattr(gm, call.target)
-        graph = getattr(sub, "fn", sub).graph  # a replay runner wraps its partition
+        graph = sub.graph
         outs = flat_outputs(graph)
         inner = view_root(outs[index]) if isinstance(index, int) and index < len(outs) else None
         if inner is None or inner.op != "placeholder":
@@ -96,4 +94,4 @@ def _fixed_root(gm: GraphModule, arg: Node) -> Node | None:
 
 def _is_constant(root: Node) -> bool:
     """Parameters, buffers and hoisted constants; not region buffers or workspaces (state)."""
-    return root.op == "get_attr" and not str(root.target).startswith(("_cf_region_", "_cf_workspace_"))
+    return root.op == "get_attr" and not is_state_attr(root.target)

@@ -1,0 +1,13 @@
+"""What an optimized program keeps across calls, apart from the rewriting that built it.
+
+- :mod:`~cadence_fx.runtime.catalog`: one rewritten program per exact signature and the dispatch.
+- :mod:`~cadence_fx.runtime.state`: the region buffers and workspaces, and how state inputs reach them.
+- :mod:`~cadence_fx.runtime.runners`: the replay engines installed on annotated partitions, and warm-up.
+"""
+
+from cadence_fx.runtime.catalog import Catalog, CatalogMiss, reference
+from cadence_fx.runtime.runners import CaptureSession, ReplayRunner, RunnerSet, install_runners
+from cadence_fx.runtime.state import StaleState, StateStore
+
+__all__ = ["CaptureSession", "Catalog", "CatalogMiss", "ReplayRunner", "RunnerSet", "StaleState", "StateStore",
+           "install_runners", "reference"]

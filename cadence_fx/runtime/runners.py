@@ -1,0 +1,121 @@
+"""Replayed runners: the replay engines installed on an annotated graph, and the warm-up that captures them.
+
+``mark_replay`` leaves a :class:`~cadence_fx.annotations.ReplaySpec` on every wrapped partition's call
+node. :func:`install_runners` puts a :class:`ReplayRunner` (an :class:`ExactShapeReplay` over the
+partition) in place of each partition module. A runner captures a new class only while a
+:class:`CaptureSession` is open (warm-up); outside it, a class it has not captured runs eagerly,
+counted by reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.fx import GraphModule
+
+from cadence_fx.annotations import replay_spec
+from cadence_fx.replay import ExactShapeReplay, ReplayBackend
+
+__all__ = ["CaptureGate", "CaptureSession", "ReplayRunner", "RunnerSet", "install_runners"]
+
+
+@dataclass
+class CaptureSession:
+    """An open warm-up: runners capture unseen classes; ``restored_by_caller`` names the storages the
+    caller snapshots and restores around the whole warm-up (captures need not snapshot them)."""
+
+    restored_by_caller: frozenset[int] = frozenset()
+    captured: int = 0
+
+
+class CaptureGate:
+    """Shared by every runner of one program: whether a capture session is open."""
+
+    def __init__(self) -> None:
+        self.session: CaptureSession | None = None
+
+    @contextmanager
+    def open(self, restored_by_caller: frozenset[int]) -> Iterator[CaptureSession]:
+        if self.session is not None:
+            raise RuntimeError("a capture session is already open")
+        self.session = CaptureSession(restored_by_caller)
+        try:
+            yield self.session
+        finally:
+            self.session = None
+
+
+class ReplayRunner(torch.nn.Module):
+    """A wrapped partition behind the replay engine; captures a new class only inside a capture session."""
+
+    def __init__(self, fn: torch.nn.Module, engine: ExactShapeReplay, gate: CaptureGate) -> None:
+        super().__init__()
+        self.fn = fn
+        self.engine = engine
+        self.gate = gate
+
+    def forward(self, *args: Any) -> Any:
+        session = self.gate.session
+        if session is not None:
+            key = self.engine.signature(args)
+            if key is not None and key not in self.engine.classes:
+                report = self.engine.capture(*args, restored_by_caller=session.restored_by_caller)
+                session.captured += int(report.admitted)
+        return self.engine(*args)
+
+
+@dataclass
+class RunnerSet:
+    """Every runner of one optimized program, by partition and wrapped invocation."""
+
+    gate: CaptureGate = field(default_factory=CaptureGate)
+    engines: dict[str, ExactShapeReplay] = field(default_factory=dict)
+    pool: object = None
+
+    def counters(self) -> dict[str, Any]:
+        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed)."""
+        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {}}
+        for eng in self.engines.values():
+            c = eng.counters
+            for k in ("replays", "eager", "invalidations", "captures"):
+                total[k] += getattr(c, k)
+            for reason, n in c.rejections.items():
+                total["rejections"][reason] = total["rejections"].get(reason, 0) + n
+        return total
+
+    @contextmanager
+    def traffic_counters_paused(self) -> Iterator[None]:
+        """Warm-up calls are not traffic: replays, eager calls and rejections made inside are not counted."""
+        saved = {k: (e.counters.replays, e.counters.eager, Counter(e.counters.rejections))
+                 for k, e in self.engines.items()}
+        try:
+            yield
+        finally:
+            for k, e in self.engines.items():
+                e.counters.replays, e.counters.eager, e.counters.rejections = saved[k]
+
+    def memory(self) -> dict[str, int]:
+        reports = [r for e in self.engines.values() for r in e.classes.values()]
+        return {"graph_pools": sum(r.graph_bytes for r in reports), "staging": sum(r.staging_bytes for r in reports)}
+
+
+def install_runners(gm: GraphModule, backend: ReplayBackend, runners: RunnerSet) -> int:
+    """Swap every annotated partition of ``gm`` for a replay runner; returns how many were installed."""
+    installed = 0
+    for node in gm.graph.nodes:
+        spec = replay_spec(node) if node.op == "call_module" else None
+        if spec is None:
+            continue
+        if runners.pool is None:
+            runners.pool = backend.new_pool()
+        sub = getattr(gm, node.target)
+        engine = ExactShapeReplay(sub, name=spec.name, aliased=spec.aliased, pool=runners.pool, backend=backend,
+                                  readonly=spec.readonly, mutable=spec.written)
+        setattr(gm, node.target, ReplayRunner(sub, engine, runners.gate))
+        runners.engines[f"{len(runners.engines)}:{node.target}:{spec.name}"] = engine
+        installed += 1
+    return installed

@@ -1,0 +1,152 @@
+"""The state store: the region buffers and workspaces an optimized program owns across calls.
+
+Each region lives in one contract-owned flat buffer at a stable address. A call's state output is
+a view of that buffer, and the next call overwrites it in place. So the store knows, per region,
+which tensor the last call returned: fed back as it is, it is used in place; any other tensor is
+copied in (a snapshot restored at a turn boundary, the prompt's state); and a view of the buffer
+that is *not* the last returned state (kept from an older call, or a slice of the current one) is
+refused, since its bytes have been overwritten since it was returned.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from cadence_fx.binding import RegionSite
+
+__all__ = ["StaleState", "StateCounts", "StateStore"]
+
+
+class StaleState(RuntimeError):
+    """A state input that is a view of a region buffer other than the state the last call returned."""
+
+
+@dataclass
+class StateCounts:
+    """How each call's region inputs reached the buffers."""
+
+    adopted: int = 0   # copied in (foreign tensors: a prompt's state, a restored snapshot)
+    in_place: int = 0  # the state the previous call returned, fed back as it is
+
+
+class StateStore:
+    """Region buffers by name, the program's workspaces, and the state each region last returned."""
+
+    def __init__(self, region_buffers: Mapping[str, torch.Tensor]) -> None:
+        self._buffers = dict(region_buffers)
+        self._workspaces: list[torch.Tensor] = []
+        self._returned: dict[str, torch.Tensor] = {}
+        self.counts = StateCounts()
+
+    # ------------------------------------------------------------------ what the store owns
+    @property
+    def region_buffers(self) -> Mapping[str, torch.Tensor]:
+        """Each region's flat buffer (read-only mapping; the tensors are the program's own)."""
+        return dict(self._buffers)
+
+    def region_buffer(self, name: str) -> torch.Tensor:
+        return self._buffers[name]
+
+    def workspaces(self) -> list[torch.Tensor]:
+        """The demand-sized workspace copies the program's graphs address."""
+        return list(self._workspaces)
+
+    def set_workspaces(self, tensors: list[torch.Tensor]) -> None:
+        self._workspaces = list(tensors)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything that is state: region buffers, then workspaces."""
+        return list(self._buffers.values()) + self._workspaces
+
+    def owned_storages(self) -> frozenset[int]:
+        """Storage data pointers of every region buffer and workspace."""
+        return frozenset(t.untyped_storage().data_ptr() for t in self.tensors())
+
+    def nbytes(self) -> dict[str, int]:
+        return {"regions": _storage_bytes(self._buffers.values()), "workspaces": _storage_bytes(self._workspaces)}
+
+    # ------------------------------------------------------------------ calls
+    def adopt(self, name: str, arg: Any, site: RegionSite) -> torch.Tensor:
+        """The tensor the graph reads region ``name`` from: ``arg`` itself when it is the state the
+        last call returned, else a view of the buffer that ``arg`` was copied into."""
+        buf = self._buffers[name]
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(f"region {name!r}: expected a tensor for input {site.region.input!r}, got {type(arg)}")
+        if arg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            if arg is self._returned.get(name):
+                self.counts.in_place += 1
+                return arg
+            raise StaleState(
+                f"region {name!r}: input {site.region.input!r} is a view of the region's buffer but not the "
+                f"state the last call returned (a state kept from an older call, or a view of one). Its bytes "
+                f"were overwritten when a later call wrote the region in place. Feed back the state each call "
+                f"returns as it is; to keep a state for later (a retry, a rewind), clone it when it is returned "
+                f"(or use the program's snapshot API) and pass the copy.")
+        for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
+            if arg.shape[d] > n:
+                arg = arg.narrow(d, 0, n)
+        if arg.numel() > buf.numel():
+            raise ValueError(f"region {name!r}: input of shape {tuple(arg.shape)} exceeds the contract-owned "
+                             f"buffer ({buf.numel()} elements)")
+        view = buf[: arg.numel()].view(arg.shape)
+        # state is data, never part of an autograd graph: a state produced by ep.module() in grad
+        # mode must not make the buffer require grad (every later view would then refuse in-place use)
+        with torch.no_grad():
+            view.copy_(arg.detach())
+        self.counts.adopted += 1
+        return view
+
+    def trusted_view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of the buffer as a state input of ``shape``, accepted in place (warm-up's inputs)."""
+        view = self._buffers[name][: math.prod(shape)].view(shape)
+        self._returned[name] = view
+        return view
+
+    def returned(self, name: str, tensor: Any) -> None:
+        """Record the state output of region ``name``: the only view of its buffer the next call accepts."""
+        if isinstance(tensor, torch.Tensor):
+            self._returned[name] = tensor
+
+    def forget_returned(self) -> None:
+        self._returned.clear()
+
+    # ------------------------------------------------------------------ warm-up
+    @contextmanager
+    def preserved(self, extra_counters: Any = None) -> Iterator[frozenset[int]]:
+        """Run a block (warm-up) and put back every byte of state, the RNGs and the counts.
+
+        Copies go to the host: warm-up must not raise the device peak by the size of the state.
+        Yields the storages restored here, which captures inside the block need not snapshot.
+        """
+        state = self.tensors()
+        saved = [t.to("cpu", copy=True) for t in state]
+        rng = (torch.get_rng_state(), random.getstate(),
+               torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        counts = StateCounts(self.counts.adopted, self.counts.in_place)
+        returned = dict(self._returned)
+        try:
+            yield self.owned_storages()
+        finally:
+            with torch.no_grad():
+                for t, v in zip(state, saved):
+                    t.copy_(v)
+            torch.set_rng_state(rng[0])
+            random.setstate(rng[1])
+            if rng[2] is not None:
+                torch.cuda.set_rng_state_all(rng[2])
+            self.counts = counts
+            self._returned = returned
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+    return sum(seen.values())
