@@ -1,16 +1,16 @@
-"""Factorial benchmark on the demo decoder: eager vs. state rule vs. replay vs. both, in one process.
+"""Factorial benchmark on the demo decoder: eager vs. state rule vs. replay vs. both.
 
     python benchmarks/demo_decoder.py --calls 40 --json docs/results/demo-<gpu>.json
 
 Cells: B0 (the unmodified exported program, eager), S (state rule), R / Rc (replay at the step /
-chunk clock without the state rule), SR / SRc (both). A cell whose output bytes differ from B0's
-is reported as not exact and gets no speedup.
+chunk clock without the state rule), SR / SRc (both). Every (block, cell) runs in a fresh process
+(``benchmarks/harness.py``); a cell whose output bytes differ from B0's is reported as not exact and
+gets no speedup. Without a GPU it runs on the CPU (timings, no peak or launch counts).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from datetime import date
@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cadence_fx as cf  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
 from cadence_fx.determinism import pin_envelope  # noqa: E402
-from cadence_fx.measure import count_launches, peak_mib, time_stream  # noqa: E402
-from benchmarks._harness import gate, run_cells, table  # noqa: E402
+from cadence_fx.runtime.catalog import reference  # noqa: E402
 
 CELLS = {
     "B0": None,
@@ -52,14 +52,7 @@ def run_one(cell: str, calls: int, dim: int) -> dict:
                torch.randn(1, cfg.chunk, cfg.dim, generator=g).to(device)) for _ in range(calls)]
     warm, counters = 0.0, {}
     if spec is None:
-        modules = {}
-        for ep in eps:
-            phs = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-            modules[tuple(tuple(phs[n].meta["val"].shape) for n in ep.graph_signature.user_inputs)] = ep.module()
-
-        def fn(*a):
-            with torch.no_grad():
-                return modules[tuple(tuple(x.shape) for x in a)](*a)
+        fn = reference(eps)
     else:
         fn = cf.optimize(eps, contract, replay=spec["replay"], state=spec["state"])
         warm = fn.warmup(inputs[0][0], *model.initial_state(device=device), inputs[0][1])["seconds"]
@@ -70,12 +63,12 @@ def run_one(cell: str, calls: int, dim: int) -> dict:
         state[0], state[1], state[2] = out[1], out[2], out[3]
         return out
 
-    res = time_stream(step, calls, emitted=lambda out: [out[0]])
-    res.peak_mib = peak_mib()
-    launches, kernels = count_launches(lambda: step(calls - 1), calls=3)
+    res = harness.time_stream(step, calls, emitted=lambda out: [out[0]])
+    res.peak_mib = harness.peak_mib()
+    launches, kernels = harness.count_launches(lambda: step(calls - 1), calls=3)
     if spec is not None:
         counters = fn.counters()
-    return dict(name=cell, p50_ms=res.p50, p95_ms=res.p(95), peak_mib=res.peak_mib, kernels_per_chunk=kernels,
+    return dict(name=cell, p50_ms=res.p50, p95_ms=res.p95, peak_mib=res.peak_mib, kernels_per_chunk=kernels,
                 launches_per_chunk=launches, warmup_s=warm, sha256=res.sha256,
                 notes=f"fallbacks {counters.get('eager')} {counters.get('rejections') or ''}" if counters else "",
                 envelope={k: str(v) for k, v in envelope.items()}, device=device,
@@ -86,26 +79,19 @@ def run_one(cell: str, calls: int, dim: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=40)
-    ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--blocks", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)
+    harness.add_flags(ap, cells=",".join(CELLS), blocks=1)
     args = ap.parse_args()
     if args.one:
-        Path(args.out).write_text(json.dumps(run_one(args.one, args.calls, args.dim)))
+        harness.write_cell(args.out, run_one(args.one, args.calls, args.dim))
         return
-    rows = gate(run_cells(__file__, args.cells.split(","), ["--calls", str(args.calls), "--dim", str(args.dim)],
-                          blocks=args.blocks))
+    rows = harness.collect(args, __file__, ["--calls", str(args.calls), "--dim", str(args.dim)], per_block=True)
     ok = next((r for r in rows if "error" not in r), {})
     print(f"demo decoder: dim {args.dim}, chunk 50, 10 solver steps, {args.calls} calls per cell, fresh process "
           f"per cell; {ok.get('device')} {ok.get('gpu')}, torch {ok.get('torch')}, {date.today()}")
-    print(table(rows))
+    print(harness.table(rows))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        harness.write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,7 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -51,9 +49,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._harness import table  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
-from cadence_fx.measure import peak_mib, profile_calls, sync  # noqa: E402
 
 STOCK_CELLS = ("B0", "vendor", "vendor_live", "compile")
 OPT_CELLS = {
@@ -62,7 +59,8 @@ OPT_CELLS = {
     "Rc": dict(state=False, replay="auto", granularity="chunk", step_segments=True),
     "SR": dict(state=True, replay="auto", granularity="step"),
     "SRc": dict(state=True, replay="auto", granularity="chunk", step_segments=True),
-    # the whole CFM loop as one graph: its launch is not overlapped (H200 run A: 104 ms vs 71 ms)
+    # the whole CFM loop as one graph: nothing hides its launch, where SRc launches each solver step's
+    # graph while the previous step's runs
     "SRc1": dict(state=True, replay="auto", granularity="chunk", step_segments=False),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
@@ -103,12 +101,9 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
         if restore and k == RESTORE_AT:
             st = {n: t.to(device, copy=True) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
         args = step.next_args(f, st)
-        sync()
-        t0 = time.perf_counter()
         with torch.no_grad():
-            out = fn(*args)
-        sync()
-        ms.append((time.perf_counter() - t0) * 1e3)
+            out, t = harness.timed(fn, *args)
+        ms.append(t)
         pcm.append(out[0].detach().to("cpu", copy=True))
         st = step.carry(out)
         del out, args
@@ -118,17 +113,17 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
     if profile:  # one extra call after the timed stream, so profiling never distorts a timing
         args = step.next_args(fresh[-1], st)
         with torch.no_grad():
-            prof = profile_calls(lambda: fn(*args), calls=1)
+            prof = harness.profile_calls(lambda: fn(*args), calls=1)
     return ms, sha256_tensors(pcm), prof
 
 
 def _row(name, block, ms, sha, prof, warm, notes="", **extra):
-    xs = sorted(ms)
     prof = prof or {}
     nan = float("nan")
-    return dict(name=name, block=block, p50_ms=xs[len(xs) // 2], p95_ms=xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))],
-                peak_mib=peak_mib(), kernels_per_chunk=prof.get("kernels", nan), launches_per_chunk=prof.get("launches", nan),
-                busy_ms=prof.get("busy_ms", nan), warmup_s=warm, sha256=sha, notes=notes, ms=ms, **extra)
+    return dict(name=name, block=block, p50_ms=harness.percentile(ms, 50), p95_ms=harness.percentile(ms, 95),
+                peak_mib=harness.peak_mib(), kernels_per_chunk=prof.get("kernels", nan),
+                launches_per_chunk=prof.get("launches", nan), busy_ms=prof.get("busy_ms", nan), warmup_s=warm,
+                sha256=sha, notes=notes, ms=ms, **extra)
 
 
 def _ready(device: str) -> None:
@@ -231,7 +226,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
         _write_memory_top(args.memory_top, name)
     if device == "cuda":
         memory.update(after_warmup_mib=torch.cuda.memory_allocated() / 2**20,
-                      warmup_peak_mib=torch.cuda.max_memory_allocated() / 2**20, **_census(prog))
+                      warmup_peak_mib=torch.cuda.max_memory_allocated() / 2**20, **_census_mib(prog))
 
     def describe(before, c):
         rej = {k: v - before["rejections"].get(k, 0) for k, v in c["rejections"].items()
@@ -242,7 +237,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
                    export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory)
     reports = {k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
                         staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
-                   for r in eng.classes.values()] + [dict(refused=reason) for reason in set(eng._refused.values())]
+                   for r in eng.classes.values()] + [dict(refused=reason) for reason in set(eng.refusals().values())]
                for k, eng in prog.runners().items()}
     rows[-1]["capture_reports"] = reports
     return rows
@@ -252,16 +247,17 @@ def _release_unreferenced(step, prog) -> int:
     """Free the stock module's buffers no optimized graph uses (its workspaces); returns the bytes.
 
     The cell never calls the stock module again (it only drives inputs and state), and a deployment
-    drops the stock module once the program is built. Parameters are shared with the program.
+    drops the stock module once the program is built. Parameters are shared with the program. A
+    storage that cannot be resized (host memory borrowed from numpy, on the CPU) is left alone.
     """
-    used = set()
+    used = set(prog.owned_storages())
     for gm in prog.graph_modules():
         for t in list(gm.parameters()) + list(gm.buffers()):
             used.add(t.untyped_storage().data_ptr())
     freed = 0
     for _name, buf in step.named_buffers():
         storage = buf.untyped_storage()
-        if storage.data_ptr() not in used and storage.nbytes():
+        if storage.data_ptr() not in used and storage.nbytes() and storage.resizable():
             freed += storage.nbytes()
             storage.resize_(0)
     return freed
@@ -282,31 +278,14 @@ def _write_memory_top(path: str, name: str, top: int = 25) -> None:
             f.write(f"{size / 2**20:9.1f} MiB pool={pool} {' <- '.join(where)}\n")
 
 
-def _census(prog) -> dict:
-    """Where the optimized program's device memory is: weights, state, workspaces, graphs and staging."""
-    seen: dict[int, tuple[str, int]] = {}
+CENSUS_FIELDS = {"parameters": "parameters_mib", "constants": "buffers_and_constants_mib", "regions": "regions_mib",
+                 "workspaces": "workspaces_mib", "graph_pools": "graph_pool_reserved_mib", "staging": "staging_mib"}
 
-    def add(kind: str, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st.device.type == "cuda" and st.data_ptr() not in seen:
-            seen[st.data_ptr()] = (kind, st.nbytes())
 
-    for t in prog.region_buffers.values():
-        add("regions", t)
-    for t in prog._workspaces:
-        add("workspaces", t)
-    for gm in prog.graph_modules():
-        for t in gm.parameters():
-            add("parameters", t)
-        for t in gm.buffers():
-            add("buffers_and_constants", t)
-    out: dict[str, float] = {}
-    for kind, nbytes in seen.values():
-        out[f"{kind}_mib"] = out.get(f"{kind}_mib", 0.0) + nbytes / 2**20
-    reports = [r for eng in prog.runners().values() for r in eng.classes.values()]
-    out["graph_pool_reserved_mib"] = sum(r.graph_bytes for r in reports) / 2**20
-    out["staging_mib"] = sum(r.staging_bytes for r in reports) / 2**20
-    return out
+def _census_mib(prog) -> dict:
+    """Where the optimized program's device memory is (weights, state, workspaces, graphs, staging), as
+    the rows' ``memory`` fields in MiB."""
+    return {CENSUS_FIELDS.get(kind, f"{kind}_mib"): nbytes / 2**20 for kind, nbytes in prog.memory_census().items()}
 
 
 def _count_vendor_replays(step, counter: dict) -> None:
@@ -370,125 +349,48 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 
 
 # --------------------------------------------------------------------------- driver
+ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
+              "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "optimize_s",
+              "memory", "capture_reports")  # what the --json report keeps of each row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--chunks", type=int, default=24)
-    ap.add_argument("--cells", default="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc,SRc1",
-                    help="cells in order; with --lanes, lanes separated by '/' (e.g. B0,SRc/B0,S)")
-    ap.add_argument("--lanes", type=int, default=1, help="run lanes of cells side by side, one GPU each")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--memory-top", default=None, help="append the largest live blocks after warm-up to this file")
-    ap.add_argument("--rows", default=None, help="also append every cell's raw rows to this file (JSON lines)")
-    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--lane", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--merge", nargs="*", default=None, help="print the table of saved raw rows (JSON lines files)")
+    harness.add_flags(ap, cells="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc,SRc1", blocks=4)
     args = ap.parse_args()
     if args.one:
-        rows = run_stock_cell(args, args.one) if args.one in STOCK_CELLS else run_opt_cell(args, args.one)
-        Path(args.out).write_text(json.dumps(rows))
+        harness.write_cell(args.out, run_stock_cell(args, args.one) if args.one in STOCK_CELLS
+                           else run_opt_cell(args, args.one))
         return
-    rows: list[dict] = []
-    if args.merge is not None:
-        for run, f in enumerate(args.merge):  # rows of separate runs are gated against their own run's B0
-            rows += [dict(json.loads(line), run=run) for line in Path(f).read_text().splitlines() if line.strip()]
-        report(rows, args)
-        return
-    lanes = args.cells.split("/")
-    if len(lanes) != args.lanes:
-        lanes = [args.cells] if args.lanes == 1 else ap.error("--lanes N needs N '/'-separated lanes in --cells")
     common = ["--blocks", str(args.blocks), "--chunks", str(args.chunks)] + (["--reduced"] if args.reduced else [])
-    import threading
-
-    lock = threading.Lock()
-
-    def run_lane(lane: int, cells: str) -> None:
-        env = dict(os.environ)
-        if args.lanes > 1:
-            env["CUDA_VISIBLE_DEVICES"] = str(lane)
-        for cell in [c for c in cells.split(",") if c]:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "rows.json"
-                proc = subprocess.run([sys.executable, __file__, "--one", cell, "--lane", str(lane), "--out", str(out),
-                                       *common], capture_output=True, text=True, env=env)
-                if proc.returncode != 0 or not out.exists():
-                    new = [dict(name=cell, block=0, lane=lane, error=(proc.stdout + proc.stderr)[-3000:])]
-                else:
-                    new = json.loads(out.read_text())
-            with lock:
-                sys.stderr.write("".join(line + "\n" for line in proc.stderr.splitlines()
-                                         if line.startswith("[") or "Error" in line)[-3000:])
-                rows.extend(new)
-                if args.rows:
-                    with open(args.rows, "a") as fh:
-                        fh.writelines(json.dumps(r) + "\n" for r in new)
-
-    threads = [threading.Thread(target=run_lane, args=(i, cells)) for i, cells in enumerate(lanes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    report(rows, args)
+    if args.memory_top:
+        common += ["--memory-top", args.memory_top]
+    report(harness.collect(args, __file__, common, per_block=False), args)
 
 
-def report(rows: list[dict], args) -> None:
-    """Gate exactness against B0 per block, print the table and the per-cell summary, save JSON."""
-    cells = [r for r in rows if "p50_ms" in r or "error" in r]
-    base = {(r.get("run", 0), r.get("lane", 0), r["block"]): r for r in cells if r["name"] == "B0" and "error" not in r}
-    lanes_agree = len({(b, r["sha256"]) for (_r, _l, b), r in base.items()}) == len({b for _r, _l, b in base})
-    for r in cells:
-        b = base.get((r.get("run", 0), r.get("lane", 0), r["block"])) or next(
-            (v for (_r, _l, blk), v in base.items() if blk == r["block"]), None)
-        r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
-        r["speedup"] = (b["p50_ms"] / r["p50_ms"] if r["bitexact"] and r["name"] != "B0"
-                        else (1.0 if r["name"] == "B0" else None))
-    env = next((r for r in rows if r.get("envelope")), {})
+def report(cells: list[dict], args) -> None:
+    """Print the table and the per-cell summary of gated rows, save the JSON report."""
+    lanes_agree = harness.baselines_agree(cells)
+    env = next((r for r in cells if r.get("envelope")), {})
     exp = next((r for r in cells if r.get("export_s")), {})
     gpu = env.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     print(f"Token2Wav {'reduced' if args.reduced else 'released'} sizes, {args.blocks} blocks x {args.chunks} chunks, "
           f"{gpu}, torch {env.get('torch', torch.__version__)}, {date.today()}; baseline reproduces itself under the "
           f"envelope: {env.get('reproducible')}; lanes' B0 bytes agree: {lanes_agree}; export of the catalog: "
           f"{exp.get('export_s', float('nan')):.1f} s")
-    print(table(cells))
-    # one summary entry per cell and run (a cell measured in two runs of different code stays two entries);
-    # speedups and memory are against the B0 of the same run
-    runs_of: dict[str, set] = {}
-    for r in cells:
-        runs_of.setdefault(r["name"], set()).add(r.get("run", 0))
-    summary: dict[str, dict] = {}
-    b0_of: dict[int, dict] = {}
-    for name, run in dict.fromkeys((r["name"], r.get("run", 0)) for r in cells):
-        key = name if len(runs_of[name]) == 1 else f"{name} (run {run})"
-        rs = [r for r in cells if r["name"] == name and r.get("run", 0) == run and "error" not in r]
-        if not rs:
-            summary[key] = dict(error=True)
-            continue
-        exact = all(r["bitexact"] for r in rs)
-        p50 = sorted(r["p50_ms"] for r in rs)[len(rs) // 2]
-        s = dict(run=run, p50_ms=p50, peak_mib=max((r["peak_mib"] or 0) for r in rs), warmup_s=rs[0].get("warmup_s"),
-                 bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}")
-        if name == "B0":
-            b0_of[run] = s
-        b0 = b0_of.get(run, {})
-        s["speedup"] = b0["p50_ms"] / p50 if exact and name != "B0" and b0 else None
-        if b0.get("peak_mib") and s["peak_mib"]:
-            s["peak_vs_B0"] = s["peak_mib"] / b0["peak_mib"] - 1
-        summary[key] = s
+    print(harness.table(cells))
+    summary = harness.summarize(cells)
     print("per-cell medians over blocks (speedup only where every block is bit-exact):")
     print(json.dumps(summary, indent=1))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        keep = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
-                "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "optimize_s",
-                "memory", "capture_reports")
-        result = [{k: r[k] for k in keep if k in r} for r in cells]
-        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=env.get("torch", torch.__version__),
-                                                   date=str(date.today()), envelope=env.get("envelope"),
-                                                   reproducible=env.get("reproducible"), lanes_b0_agree=lanes_agree,
-                                                   export_s=exp.get("export_s"),
-                                                   cells=result, summary=summary), indent=1))
+        harness.write_json(args.json, dict(gpu=gpu, torch=env.get("torch", torch.__version__), date=str(date.today()),
+                                           envelope=env.get("envelope"), reproducible=env.get("reproducible"),
+                                           lanes_b0_agree=lanes_agree, export_s=exp.get("export_s"),
+                                           cells=[{k: r[k] for k in ROW_FIELDS if k in r} for r in cells],
+                                           summary=summary))
 
 
 if __name__ == "__main__":

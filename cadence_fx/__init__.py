@@ -14,13 +14,14 @@ from cadence_fx.passes.hoist_constants import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, plan, region_extents
 from cadence_fx.program import OptimizedProgram, optimize
 from cadence_fx.runtime.catalog import CatalogMiss, reference
+from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot
 from cadence_fx.runtime.state import StaleState
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail", "OptimizedProgram", "Plan", "Region",
-    "RetentionMismatch", "Ring", "SlidingWindow", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
+    "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
     "example_inputs", "export_catalog", "optimize", "plan", "reference", "region_extents",
 ]
 __version__ = "0.1.0"

@@ -25,6 +25,7 @@ OWNED_PREFIX = "_cf_"                # anything the passes registered
 WRAPPED = "cadence_wrapped"  # on a partition's call_module node: the wrapped invocation it runs
 SEGMENT = "cadence_segment"  # ... and which segment of it (Contract.split_at), 0 when unsplit
 REPLAY = "cadence_replay"    # ... and its ReplaySpec, once mark_replay has analysed it
+RANDOM = "cadence_random"    # on a partition's call node or a root-level op: it draws from a generator
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,12 @@ def _is_view_tuple(node: object) -> bool:
     return isinstance(node, Node) and overload_name(node) in {"split", "split_with_sizes", "chunk", "unbind"}
 
 
+def is_random(node: Node) -> bool:
+    """True for an ATen op that draws from a generator (``torch.Tag.nondeterministic_seeded``)."""
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
 def is_mutating(node: Node) -> bool:
     t = node.target
     return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable

@@ -12,6 +12,7 @@ from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import carry_writeback
 from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.inline_grad_regions import inline_grad_regions
+from cadence_fx.passes.mark_randomness import mark_randomness
 from cadence_fx.passes.mark_replay import mark_replay
 from cadence_fx.passes.partition import partition
 from cadence_fx.passes.retention_in_place import retention_in_place
@@ -25,6 +26,7 @@ PIPELINE = (
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     partition,            # one sub-GraphModule per wrapped invocation
     mark_replay,          # wrapped partitions -> annotated with what they alias, read and write
+    mark_randomness,      # calls that draw from a generator -> annotated (per-session random streams)
 )
 
 

@@ -8,6 +8,7 @@ the state store that owns the regions and workspaces, and the replay runners.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Literal, Sequence
 
@@ -26,7 +27,9 @@ from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.plan import Plan, plan as make_plan
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
-from cadence_fx.runtime.runners import RunnerSet, install_runners
+from cadence_fx.runtime.lanes import Entry, Lane, LanePool
+from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
+from cadence_fx.runtime.sessions import Session
 from cadence_fx.runtime.state import StateStore
 
 log = logging.getLogger("cadence_fx")
@@ -36,13 +39,23 @@ Replay = Literal["auto", "off"]
 __all__ = ["CatalogMiss", "OptimizedProgram", "optimize"]
 
 
-class _Entry:
-    """One exported program of the catalog, rewritten: its module, region sites and what its passes found."""
+class _DefaultState:
+    """The program's own calls (the default session): their state stays in lane 0's buffers, until a
+    session that needs lane 0 copies it out (evicts it) into buffers of its own."""
 
-    __slots__ = ("gm", "sites", "facts", "admitted")
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.evicted: dict[str, torch.Tensor] = {}  # region -> the default state's bytes, once evicted
+        self.returned: dict[str, torch.Tensor] = {}  # what the default session's last call returned
 
-    def __init__(self, gm: GraphModule, sites: dict[str, RegionSite], facts: ProgramFacts, admitted: bool) -> None:
-        self.gm, self.sites, self.facts, self.admitted = gm, sites, facts, admitted
+    def last_returned(self) -> dict[str, torch.Tensor]:
+        return dict(self.returned)
+
+    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
+        for name, t in self.returned.items():
+            if t is returned and name in self.evicted:
+                return self.evicted[name]
+        return returned
 
 
 class OptimizedProgram:
@@ -53,82 +66,140 @@ class OptimizedProgram:
     a call returns back as it is (used in place), or feed any other tensor (a snapshot restored at a
     turn boundary) and it is copied into the buffer. A view of a buffer that is not the last
     returned state (kept from an older call) is refused with :class:`cadence_fx.StaleState`.
+
+    Many conversations: :meth:`session` hands out sessions with state of their own over the same
+    weights and graphs; :meth:`add_lanes` adds graph sets that run sessions concurrently.
     """
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
                  replay: Replay | Any, state: bool = True) -> None:
-        contract.validate_self()
         self.contract = contract
         self.state_rule = state
         # programs saved and loaded separately carry one copy of the weights each: fold them into one
         self.shared_bytes = share_catalog_tensors(exported)
         self.plan: Plan = make_plan(exported, contract)
         self.auditor = Auditor() if verify else None
+        self._exported = list(exported)
         self._names = input_names(exported[0])
         self._region_index = {r.name: self._names.index(r.input) for r in contract.regions}
         self._backend = _pick_backend(replay)
-        all_sites = [bind_regions(ep, contract) for ep in exported]
-        first = all_sites[0]
-        self.state = StateStore({
-            rp.name: torch.zeros(numel(rp.stored_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
-            for rp in self.plan.regions} if state else {})
-        self.runner_set = RunnerSet()
+        self._sites = [bind_regions(ep, contract) for ep in exported]
+        self._config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self.auditor)
+        # hoisted constants and weight digests are shared by every lane; workspaces are per lane
+        self._shared = CatalogTables()
         self._stats: dict[str, Any] = {"calls": 0, "not_admitted": 0, "passes": {}}
-        config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self.auditor)
-        tables = CatalogTables()
+        self._sessions: dict[int, Session] = {}
+        self._owners: dict[int, Any] = {}
+        self._session_lock = threading.Lock()
+        lane0 = self._build_lane(0, self._backend, record=True)
+        _check_extents(contract, self.plan, self._sites)  # after the passes: theirs name the node that differs
+        self.lanes = LanePool([lane0])
+        self._default = _DefaultState(lane0)
+        lane0.resident = self._default
+        self.state = lane0.state
+        self.catalog = lane0.catalog
+
+    def _build_lane(self, index: int, backend: Any, *, record: bool = False) -> Lane:
+        """Rewrite every exported program for one lane: its own state buffers, workspaces and runners."""
+        first = self._sites[0]
+        store = StateStore({
+            rp.name: torch.zeros(numel(rp.stored_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
+            for rp in self.plan.regions} if self.state_rule else {})
+        tables = CatalogTables(constants=self._shared.constants, digests=self._shared.digests)
+        runners = RunnerSet()
         entries = []
-        for ep, sites in zip(exported, all_sites):
-            admitted = self._admit(sites)
-            facts = ProgramFacts(sites=sites, region_buffers=dict(self.state.region_buffers))
+        for ep, sites in zip(self._exported, self._sites):
+            admitted = self._admit(sites, log_refusal=record)
+            facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
             # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
-            gm = run_pipeline(ep.module(), PassContext(config, tables, facts))
-            if self._backend is not None and admitted:
-                install_runners(gm, self._backend, self.runner_set)
-            entries.append((program_key(ep), _Entry(gm, sites, facts, admitted)))
-            for k, v in facts.changed.items():
-                self._stats["passes"][k] = self._stats["passes"].get(k, 0) + v
-        _check_extents(contract, self.plan, all_sites)  # after the passes: theirs name the node that differs
+            gm = run_pipeline(ep.module(), PassContext(self._config, tables, facts))
+            if backend is not None and admitted:
+                install_runners(gm, backend, runners)
+            isolate_randomness(gm)
+            entries.append((program_key(ep), Entry(gm, sites, facts, admitted)))
+            if record:
+                for k, v in facts.changed.items():
+                    self._stats["passes"][k] = self._stats["passes"].get(k, 0) + v
         rekey = {}
         for name, site in first.items():
-            if site.live and state:
+            if site.live and self.state_rule:
                 rekey[self._region_index[name]] = {d: (n, site.shape[d]) for d, n in site.live}
         try:
-            self.catalog: Catalog[_Entry] = Catalog(self._names, entries, rekey=rekey)
+            catalog: Catalog[Entry] = Catalog(self._names, entries, rekey=rekey)
         except ValueError as e:
             raise ContractError(str(e)) from None
-        for _key, entry in self.catalog.items():
+        for _key, entry in catalog.items():
             rebind_shared_workspaces(entry.gm, tables.workspaces)
-        self.state.set_workspaces([e.tensor for e in tables.workspaces.values() if e.tensor is not None])
+        store.set_workspaces([e.tensor for e in tables.workspaces.values() if e.tensor is not None])
         release_stale_workspaces(tables.workspaces)
+        stream = None
+        if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
+            stream = torch.cuda.Stream(backend.device)
+        lane = Lane(index, catalog, store, runners, stream=stream)
+        for t in store.tensors():
+            self._owners[t.untyped_storage().data_ptr()] = lane
+        return lane
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """One call of the default session (lane 0, state kept in place between calls)."""
+        flat = self.flatten_inputs(args, kwargs)
+        with self.lanes.take(0) as lane:
+            if lane.resident is not self._default:  # a session used lane 0 since: our state was copied out
+                for name, t in self._default.returned.items():
+                    i = self._region_index[name]
+                    if flat[i] is t:
+                        flat[i] = self._default.evicted.get(name, t)
+                lane.state.forget_returned()
+                lane.resident = self._default
+            entry = lane.catalog.lookup(flat)
+            self.check_entry(entry)
+            if self.state_rule:
+                for name, site in entry.sites.items():
+                    i = self._region_index[name]
+                    flat[i] = lane.state.adopt(name, flat[i], site)
+            self._stats["calls"] += 1
+            if self.auditor is not None:
+                self.auditor.call += 1
+            # A streaming step is inference: recording autograd history would make capture impossible
+            # and changes no value, so the optimized program never records it.
+            with torch.no_grad():
+                out = entry.gm(*flat)
+            if self.state_rule:
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                for name, site in entry.sites.items():
+                    lane.state.returned(name, outs[site.region.output])
+                self._default.returned = lane.state.last_returned()
+                self._default.evicted = {}
+            return out
+
+    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+        """Positional and keyword inputs as one list in the exported programs' input order."""
+        kwargs = dict(kwargs)
         flat = list(args) + [kwargs.pop(n) for n in self._names[len(args):] if n in kwargs]
         if kwargs:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
-        entry = self.catalog.lookup(flat)
+        return flat
+
+    def lookup(self, flat: Sequence[Any]) -> Entry:
+        """The catalog entry (lane 0's) for a call's inputs; :class:`CatalogMiss` when none covers them."""
+        return self.catalog.lookup(flat)
+
+    def check_entry(self, entry: Entry) -> None:
+        """Per-call guards of one entry: folded weights unchanged; refused classes counted."""
         if entry.facts.folded_weights is not None:
             entry.facts.folded_weights.check()
         if not entry.admitted:
             self._stats["not_admitted"] += 1
-        if self.state_rule:
-            for name, site in entry.sites.items():
-                i = self._region_index[name]
-                flat[i] = self.state.adopt(name, flat[i], site)
-        self._stats["calls"] += 1
-        if self.auditor is not None:
-            self.auditor.call += 1
-        # A streaming step is inference: recording autograd history would make capture impossible
-        # and changes no value, so the optimized program never records it.
-        with torch.no_grad():
-            out = entry.gm(*flat)
-        if self.state_rule:
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            for name, site in entry.sites.items():
-                self.state.returned(name, outs[site.region.output])
-        return out
 
-    def _admit(self, sites: dict[str, RegionSite]) -> bool:
+    def input_index(self, region: str) -> int:
+        """Position of region ``region``'s state input among the program's inputs."""
+        return self._region_index[region]
+
+    def region_sites(self) -> dict[str, RegionSite]:
+        return dict(self._sites[0])
+
+    def _admit(self, sites: dict[str, RegionSite], *, log_refusal: bool = True) -> bool:
         """The contract's admission predicate on this class's clock values (strides and region extents).
 
         A class the predicate refuses is never replayed: its calls run eagerly and are counted in
@@ -139,23 +210,94 @@ class OptimizedProgram:
         values = {c.name: c.stride for c in self.contract.clocks}
         values.update({name: site.extent for name, site in sites.items()})
         admitted = bool(self.contract.admit(values))
-        if not admitted:
+        if not admitted and log_refusal:
             log.warning("class %s refused by the contract's admission predicate: replay off, eager", values)
         return admitted
 
+    # ------------------------------------------------------------------ sessions
+    def session(self, name: str | None = None, *, seed: int | None = None) -> Session:
+        """A new conversation over this program's weights and graphs, with its own state buffers.
+
+        ``seed`` seeds the session's own random streams (as ``torch.manual_seed(seed)`` would for a
+        solo run); without it they start from the process's current generator states.
+        """
+        if not self.state_rule:
+            raise ContractError("sessions need the state rule (optimize(..., state=True))")
+        with self._session_lock:
+            s = Session(self, name or f"session-{len(self._sessions)}", seed=seed)
+            self._sessions[id(s)] = s
+            for ptr in s.storages():
+                self._owners[ptr] = s
+        return s
+
+    def sessions(self) -> list[Session]:
+        """The open sessions."""
+        return list(self._sessions.values())
+
+    def forget_session(self, session: Session) -> None:
+        with self._session_lock:
+            self._sessions.pop(id(session), None)
+            for ptr in session.storages():
+                self._owners.pop(ptr, None)
+
+    def new_region_buffers(self) -> dict[str, torch.Tensor]:
+        """Fresh, demand-sized region buffers (a session's own)."""
+        first = self._sites[0]
+        return {rp.name: torch.zeros(numel(rp.stored_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
+                for rp in self.plan.regions}
+
+    def owner_of(self, t: torch.Tensor) -> Any:
+        """The session (or the default session) whose buffers ``t`` is a view of, if any."""
+        owner = self._owners.get(t.untyped_storage().data_ptr())
+        if isinstance(owner, Lane):
+            return self._default if owner.index == 0 else _NoReturned()
+        return owner
+
+    def evict(self, lane: Lane) -> None:
+        """Before a session runs on ``lane``: copy out the default session's state resident there."""
+        if lane.resident is None:
+            return
+        default = lane.resident
+        with torch.no_grad():
+            default.evicted = {name: t.clone() for name, t in default.returned.items()}
+        lane.state.forget_returned()
+        lane.resident = None
+
+    def add_lanes(self, n: int = 1) -> list[Lane]:
+        """Add ``n`` lanes: copies of the rewritten programs with their own state buffers, workspaces,
+        graph pool and CUDA stream, so that ``n + 1`` session calls run at once. Capture them with
+        :meth:`warmup` before traffic."""
+        added = []
+        for _ in range(n):
+            backend = self._backend.fork() if hasattr(self._backend, "fork") else self._backend
+            lane = self._build_lane(len(self.lanes.lanes), backend)
+            self.lanes.add(lane)
+            added.append(lane)
+        return added
+
     # ------------------------------------------------------------------ replay
     def runners(self) -> dict[str, Any]:
-        """All replay engines, by partition and wrapped invocation."""
-        return dict(self.runner_set.engines)
+        """All replay engines, by lane (after the first), partition and wrapped invocation."""
+        out = {}
+        for lane in self.lanes.lanes:
+            prefix = f"lane{lane.index}/" if lane.index else ""
+            out.update({prefix + k: e for k, e in lane.runners.engines.items()})
+        return out
 
     def counters(self) -> dict[str, Any]:
-        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners).
-
-        Warm-up is not traffic: only its captures are counted."""
-        return self.runner_set.counters()
+        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners
+        and lanes). Warm-up is not traffic: only its captures are counted."""
+        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {}}
+        for lane in self.lanes.lanes:
+            c = lane.runners.counters()
+            for k in ("replays", "eager", "invalidations", "captures"):
+                total[k] += c[k]
+            for reason, n in c["rejections"].items():
+                total["rejections"][reason] = total["rejections"].get(reason, 0) + n
+        return total
 
     def warmup(self, *example_args: Any) -> dict[str, Any]:
-        """Capture every catalog class before traffic; the program's state is left exactly as found.
+        """Capture every catalog class on every lane before traffic; all state is left exactly as found.
 
         One call per exported program runs with region inputs of that program's extents; the other
         inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
@@ -163,30 +305,40 @@ class OptimizedProgram:
         """
         t0 = time.perf_counter()
         stats = {k: v for k, v in self._stats.items() if isinstance(v, int)}
-        with self.state.preserved() as restored, self.runner_set.traffic_counters_paused(), \
-                self.runner_set.gate.open(restored):
-            for key, entry in self.catalog.items():
-                self(*self._warmup_args(key, entry, example_args))
+        for lane in self.lanes.lanes:
+            with self.lanes.take(lane.index), lane.state.preserved() as restored, \
+                    lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
+                    lane.stream_context(), torch.no_grad():
+                for key, entry in lane.catalog.items():
+                    flat = self._warmup_args(lane, key, entry, example_args)
+                    if self.state_rule:
+                        for name, site in entry.sites.items():
+                            i = self._region_index[name]
+                            flat[i] = lane.state.adopt(name, flat[i], site)
+                    entry.gm(*flat)
+            if lane.stream is not None:
+                torch.cuda.current_stream(lane.stream.device).wait_stream(lane.stream)
         self._stats.update(stats)
         return {"seconds": time.perf_counter() - t0,
                 "classes": {name: dict(eng.classes) for name, eng in self.runners().items()}}
 
-    def _warmup_args(self, key: tuple, entry: _Entry, example_args: Sequence[Any]) -> list[Any]:
+    def _warmup_args(self, lane: Lane, key: tuple, entry: Entry, example_args: Sequence[Any]) -> list[Any]:
         regions = {self._region_index[name]: name for name in entry.sites} if self.state_rule else {}
-        device = next((t.device for t in self.state.region_buffers.values()), None)
+        device = next((t.device for t in lane.state.region_buffers.values()), None)
         flat = []
         for i, want in enumerate(key):
             if i in regions:  # a view of the region buffer: allocate nothing
                 site = entry.sites[regions[i]]
-                flat.append(self.state.trusted_view(regions[i], site.live_shape))
+                flat.append(lane.state.trusted_view(regions[i], site.live_shape))
                 continue
             ex = example_args[i] if i < len(example_args) else None
             if want[0] == "T" and (not isinstance(ex, torch.Tensor) or (tuple(ex.shape), ex.dtype) != want[1:]):
                 dev = ex.device if isinstance(ex, torch.Tensor) else device or "cpu"
                 ex = torch.zeros(want[1], dtype=want[2], device=dev)
+            elif want[0] == "S" and len(want) == 3:
+                ex = want[2]
             flat.append(ex)
         return flat
-
     # ------------------------------------------------------------------ introspection
     @property
     def stats(self) -> dict[str, Any]:
@@ -236,10 +388,11 @@ class OptimizedProgram:
 
     def memory_census(self) -> dict[str, int]:
         """Bytes the program holds on its device, by kind: parameters, constants (buffers and hoisted
-        constants), regions, workspaces, graph pools (reserved by captures) and staging buffers."""
-        owned = self.state.owned_storages()
+        constants), regions, workspaces, graph pools (reserved by captures), staging buffers (all
+        lanes), and the open sessions' own region buffers."""
+        owned = frozenset().union(*(lane.state.owned_storages() for lane in self.lanes.lanes))
         seen: dict[int, tuple[str, int]] = {}
-        for gm in self.graph_modules():
+        for gm in [e.gm for lane in self.lanes.lanes for e in lane.catalog.values()]:
             for kind, tensors in (("parameters", gm.parameters()), ("constants", gm.buffers())):
                 for t in tensors:
                     st = t.untyped_storage()
@@ -248,9 +401,22 @@ class OptimizedProgram:
         out = {"parameters": 0, "constants": 0}
         for kind, nbytes in seen.values():
             out[kind] += nbytes
-        out.update(self.state.nbytes())
-        out.update(self.runner_set.memory())
+        for lane in self.lanes.lanes:
+            for part in (lane.state.nbytes(), lane.runners.memory()):
+                for k, v in part.items():
+                    out[k] = out.get(k, 0) + v
+        out["sessions"] = sum(s.nbytes() for s in self.sessions())
         return out
+
+
+class _NoReturned:
+    """The owner of a lane's buffers other than lane 0's: no session's state is ever left there."""
+
+    def last_returned(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
+        return returned
 
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,

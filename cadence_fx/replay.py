@@ -80,6 +80,10 @@ class CudaGraphBackend:
         return torch.device("cuda", torch.cuda.current_device() if self._device is None
                             else torch.device("cuda", self._device).index)
 
+    def fork(self) -> "CudaGraphBackend":
+        """A backend on the same device with streams of its own (one per lane of sessions)."""
+        return CudaGraphBackend(self._device)
+
     def streams(self) -> list[torch.cuda.Stream]:
         """The warm-up and capture streams created so far (one each per device)."""
         return list(self._streams.values())

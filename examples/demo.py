@@ -19,9 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cadence_fx as cf  # noqa: E402
+from benchmarks.harness import peak_mib, time_stream  # noqa: E402
 from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
 from cadence_fx.determinism import pin_envelope  # noqa: E402
-from cadence_fx.measure import peak_mib, time_stream  # noqa: E402
+from cadence_fx.runtime.catalog import reference  # noqa: E402
 
 
 def main() -> None:
@@ -51,8 +52,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     inputs = [(torch.randn(1, cfg.chunk, cfg.dim, generator=g).to(device),
                torch.randn(1, cfg.chunk, cfg.dim, generator=g).to(device)) for _ in range(args.calls)]
-    stock = {tuple(tuple(n.meta["val"].shape) for n in ep.graph.nodes
-                   if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs): ep.module() for ep in eps}
+    stock = reference(eps)  # the unmodified exported programs, dispatched by exact input signature
 
     def run(fn, record_ptrs=None):
         state = [s.clone() for s in state0]
@@ -67,8 +67,7 @@ def main() -> None:
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    eager = time_stream(run(lambda *a: stock[tuple(tuple(x.shape) for x in a)](*a)), args.calls,
-                        emitted=lambda o: [o[0]])
+    eager = time_stream(run(stock), args.calls, emitted=lambda o: [o[0]])
     eager.peak_mib = peak_mib(reset=True)
     ptrs: list[list[int]] = []
     fast = time_stream(run(prog, ptrs), args.calls, emitted=lambda o: [o[0]])

@@ -45,7 +45,7 @@ def test_a_state_kept_from_an_older_call_is_refused(setup, verify):
     kept = list(out1[1:])  # a retry would feed these again after the next call
     out2 = _call(prog, 1, kept)
     _call(prog, 2, list(out2[1:]))  # the state the last call returned: in place, fine
-    with pytest.raises(cf.StaleState, match=r"region 'encoder_kv': input 'enc_kv' is a view of the region's buffer "
+    with pytest.raises(cf.StaleState, match=r"region 'encoder_kv': input 'enc_kv' is a view of a region buffer "
                                             r"but not the state the last call returned.*clone it"):
         _call(prog, 3, kept)
 

@@ -28,7 +28,7 @@ from torch.fx.node import map_arg
 
 from cadence_fx.annotations import CONST_PREFIX
 from cadence_fx.determinism import bits_equal, sha256_tensors
-from cadence_fx.graph_utils import is_mutating, is_view, overload_name, register_tensor, view_root
+from cadence_fx.graph_utils import is_mutating, is_random, is_view, overload_name, register_tensor, view_root
 from cadence_fx.passes import PassContext
 
 # Factory ops whose result is fully determined by their arguments. ``empty*`` is left out:
@@ -92,7 +92,7 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 const.add(n)
             continue
         name = overload_name(n)
-        if n.op != "call_function" or (is_mutating(n) and name not in _INERT_IN_PLACE) or _is_random(n):
+        if n.op != "call_function" or (is_mutating(n) and name not in _INERT_IN_PLACE) or is_random(n):
             continue
         inputs = n.all_input_nodes
         if all(i in const for i in inputs) and (inputs or name in _FACTORIES) and name not in _UNDEFINED:
@@ -169,8 +169,3 @@ def _shared(table: dict[tuple, list[torch.Tensor]], value: torch.Tensor) -> torc
             return t
     table[key].append(value)
     return value
-
-
-def _is_random(node: Node) -> bool:
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags

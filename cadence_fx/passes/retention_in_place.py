@@ -19,7 +19,7 @@ from cadence_fx.annotations import is_region_attr
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
-from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, numel, output_node, overload_name,
+from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_mutating, numel, output_node, overload_name,
                                     set_flat_output, shape_of, view_root)
 from cadence_fx.passes import PassContext
 
@@ -44,20 +44,26 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     buffers = {n for n in graph.nodes if n.op == "get_attr" and is_region_attr(n.target)}
     aliased_roots = buffers | {s.placeholder for s in ctx.program.regions.values()}
     copies = 0
+    writers = _writers(graph)
     with graph.inserting_before(out):
         # outputs that are views of a region must be read before the region is rewritten
         for i, v in enumerate(outs):
             if i not in region_out_idx and isinstance(v, Node) and view_root(v) in aliased_roots:
                 set_flat_output(graph, i, graph.call_function(aten.clone.default, (v,)))
+        # Phase 1, before any region is written: what each region keeps, staged where it reads any
+        # region's storage (its own, or another's: one region's new state may be built from another's).
+        plans = []
         for name, site in ctx.program.sites.items():
             state = ctx.program.regions[name]
             value = outs[site.region.output % len(outs)]
+            # the input, or the region's buffer (an in-place append reads its history there)
+            sources = {state.placeholder} | {n for n in graph.nodes if n.op == "get_attr" and n.target == state.buffer_attr}
+            if site.extent > 0 and isinstance(value, Node) and not _depends_on(value, sources, writers):
+                raise ContractError(
+                    f"Region {name!r}: output {site.region.output} is not computed from input {site.region.input!r} "
+                    f"(nothing in its computation reads that input): a region's output must carry that region's "
+                    f"state on; check Region.input and Region.output (swapped with another region's?)")
             parts = retained_parts(value, site, ctx.contract.growth(site.region))
-            buf = graph.get_attr(state.buffer_attr)
-            out_shape = site.live_out_shape
-            dst = flat_view(graph, buf, 0, out_shape)
-            inner = numel(out_shape[site.axis + 1:])
-            leading = all(s == 1 for s in out_shape[: site.axis])
             staged: list[tuple[_Part, Node]] = []
             for p in parts:
                 in_place = p.src is state.placeholder and site.out_shape == site.shape and not site.live
@@ -70,6 +76,20 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 if view_root(p.src) in aliased_roots:
                     src = graph.call_function(aten.clone.default, (src,))  # overlapping move: stage it
                 staged.append((p, src))
+            expected = None
+            if ctx.config.verify:  # the stock value, read before the compaction rewrites what it views
+                expected = value
+                for d, n in site.live:
+                    expected = graph.call_function(aten.narrow.default, (expected, d, 0, n))
+                expected = graph.call_function(aten.clone.default, (expected,))
+            plans.append((name, site, state, staged, expected))
+        # Phase 2: the writes.
+        for name, site, state, staged, expected in plans:
+            buf = graph.get_attr(state.buffer_attr)
+            out_shape = site.live_out_shape
+            dst = flat_view(graph, buf, 0, out_shape)
+            inner = numel(out_shape[site.axis + 1:])
+            leading = all(s == 1 for s in out_shape[: site.axis])
             for p, src in staged:
                 pshape = list(out_shape)
                 pshape[site.axis] = p.length
@@ -80,15 +100,39 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                                                                      p.dst_offset + p.length))
                 graph.call_function(aten.copy_.default, (target, src))
                 copies += 1
-            if ctx.config.verify:
-                expected = value
-                for d, n in site.live:
-                    expected = graph.call_function(aten.narrow.default, (expected, d, 0, n))
+            if expected is not None:
                 graph.call_function(audit, (auditor_node(gm, ctx.config.auditor), name, "retention", dst, expected))
             set_flat_output(graph, site.region.output % len(outs), dst)
     graph.eliminate_dead_code()
     ctx.record("retention_in_place", copies)
     return gm
+
+
+def _writers(graph) -> dict[Node, list[Node]]:
+    """For each storage root, the in-place ops that write it (FX edges do not show those dependencies)."""
+    out: dict[Node, list[Node]] = {}
+    for n in graph.nodes:
+        if is_mutating(n) and n.args and isinstance(n.args[0], Node):
+            out.setdefault(view_root(n.args[0]), []).append(n)
+    return out
+
+
+def _depends_on(value: Node, sources: set[Node], writers: dict[Node, list[Node]]) -> bool:
+    """Whether ``value`` reads any of ``sources``: through its inputs, and through writes into what it views."""
+    seen: set[Node] = set()
+    stack = [value]
+    while stack:
+        n = stack.pop()
+        if n in sources:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+        root = view_root(n)
+        if root is not None:
+            stack.extend(writers.get(root, ()))
+    return False
 
 
 def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:

@@ -17,10 +17,12 @@ from typing import Any, Iterator
 import torch
 from torch.fx import GraphModule
 
-from cadence_fx.annotations import replay_spec
+from cadence_fx.annotations import RANDOM, replay_spec
 from cadence_fx.replay import ExactShapeReplay, ReplayBackend
+from cadence_fx.runtime.rng import draw_random, drawing
 
-__all__ = ["CaptureGate", "CaptureSession", "ReplayRunner", "RunnerSet", "install_runners"]
+__all__ = ["CaptureGate", "CaptureSession", "RandomGuard", "ReplayRunner", "RunnerSet", "install_runners",
+           "isolate_randomness"]
 
 
 @dataclass
@@ -52,11 +54,12 @@ class CaptureGate:
 class ReplayRunner(torch.nn.Module):
     """A wrapped partition behind the replay engine; captures a new class only inside a capture session."""
 
-    def __init__(self, fn: torch.nn.Module, engine: ExactShapeReplay, gate: CaptureGate) -> None:
+    def __init__(self, fn: torch.nn.Module, engine: ExactShapeReplay, gate: CaptureGate, *, random: bool = False) -> None:
         super().__init__()
         self.fn = fn
         self.engine = engine
         self.gate = gate
+        self.random = random  # draws: replayed (or run eagerly) with the calling session's streams
 
     def forward(self, *args: Any) -> Any:
         session = self.gate.session
@@ -65,7 +68,22 @@ class ReplayRunner(torch.nn.Module):
             if key is not None and key not in self.engine.classes:
                 report = self.engine.capture(*args, restored_by_caller=session.restored_by_caller)
                 session.captured += int(report.admitted)
+        if self.random:
+            with drawing():
+                return self.engine(*args)
         return self.engine(*args)
+
+
+class RandomGuard(torch.nn.Module):
+    """An eager partition that draws: it runs with the calling session's random streams installed."""
+
+    def __init__(self, fn: torch.nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        with drawing():
+            return self.fn(*args)
 
 
 @dataclass
@@ -115,7 +133,31 @@ def install_runners(gm: GraphModule, backend: ReplayBackend, runners: RunnerSet)
         sub = getattr(gm, node.target)
         engine = ExactShapeReplay(sub, name=spec.name, aliased=spec.aliased, pool=runners.pool, backend=backend,
                                   readonly=spec.readonly, mutable=spec.written)
-        setattr(gm, node.target, ReplayRunner(sub, engine, runners.gate))
+        setattr(gm, node.target, ReplayRunner(sub, engine, runners.gate, random=bool(node.meta.get(RANDOM))))
         runners.engines[f"{len(runners.engines)}:{node.target}:{spec.name}"] = engine
         installed += 1
     return installed
+
+
+def isolate_randomness(gm: GraphModule) -> int:
+    """Make every draw that no replay runner owns use the calling session's streams; returns how many.
+
+    A partition that draws and is not replayed gets a :class:`RandomGuard`; a random op left in the
+    root graph (a step with no partitions) is routed through :func:`draw_random`.
+    """
+    guarded = 0
+    for node in list(gm.graph.nodes):
+        if not node.meta.get(RANDOM):
+            continue
+        if node.op == "call_module":
+            sub = gm.get_submodule(str(node.target))
+            if isinstance(sub, ReplayRunner):
+                continue
+            setattr(gm, str(node.target), RandomGuard(sub))
+        elif node.op == "call_function" and node.target is not draw_random:
+            node.args = (node.target, *node.args)
+            node.target = draw_random
+        guarded += 1
+    if guarded:
+        gm.recompile()
+    return guarded

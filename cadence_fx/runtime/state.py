@@ -20,11 +20,19 @@ import torch
 
 from cadence_fx.binding import RegionSite
 
-__all__ = ["StaleState", "StateCounts", "StateStore"]
+__all__ = ["StaleState", "StateCounts", "StateStore", "copy_into", "stale_message"]
 
 
 class StaleState(RuntimeError):
     """A state input that is a view of a region buffer other than the state the last call returned."""
+
+
+def stale_message(name: str, input_name: str) -> str:
+    return (f"region {name!r}: input {input_name!r} is a view of a region buffer but not the state the last "
+            f"call returned (a state kept from an older call, or a view of one). Its bytes were overwritten "
+            f"when a later call wrote the region in place. Feed back the state each call returns as it is; "
+            f"to keep a state for later (a retry, a rewind), clone it when it is returned (or take a session "
+            f"snapshot) and pass the copy.")
 
 
 @dataclass
@@ -82,25 +90,9 @@ class StateStore:
             if arg is self._returned.get(name):
                 self.counts.in_place += 1
                 return arg
-            raise StaleState(
-                f"region {name!r}: input {site.region.input!r} is a view of the region's buffer but not the "
-                f"state the last call returned (a state kept from an older call, or a view of one). Its bytes "
-                f"were overwritten when a later call wrote the region in place. Feed back the state each call "
-                f"returns as it is; to keep a state for later (a retry, a rewind), clone it when it is returned "
-                f"(or use the program's snapshot API) and pass the copy.")
-        for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
-            if arg.shape[d] > n:
-                arg = arg.narrow(d, 0, n)
-        if arg.numel() > buf.numel():
-            raise ValueError(f"region {name!r}: input of shape {tuple(arg.shape)} exceeds the contract-owned "
-                             f"buffer ({buf.numel()} elements)")
-        view = buf[: arg.numel()].view(arg.shape)
-        # state is data, never part of an autograd graph: a state produced by ep.module() in grad
-        # mode must not make the buffer require grad (every later view would then refuse in-place use)
-        with torch.no_grad():
-            view.copy_(arg.detach())
+            raise StaleState(stale_message(name, site.region.input))
         self.counts.adopted += 1
-        return view
+        return copy_into(buf, name, arg, site)
 
     def trusted_view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A view of the buffer as a state input of ``shape``, accepted in place (warm-up's inputs)."""
@@ -112,6 +104,10 @@ class StateStore:
         """Record the state output of region ``name``: the only view of its buffer the next call accepts."""
         if isinstance(tensor, torch.Tensor):
             self._returned[name] = tensor
+
+    def last_returned(self) -> dict[str, torch.Tensor]:
+        """The state each region's last call returned (the views the next call accepts in place)."""
+        return dict(self._returned)
 
     def forget_returned(self) -> None:
         self._returned.clear()
@@ -142,6 +138,22 @@ class StateStore:
                 torch.cuda.set_rng_state_all(rng[2])
             self.counts = counts
             self._returned = returned
+
+
+def copy_into(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite) -> torch.Tensor:
+    """Copy a state input into the front of a region's flat buffer; returns the view the graph reads."""
+    for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
+        if arg.shape[d] > n:
+            arg = arg.narrow(d, 0, n)
+    if arg.numel() > buf.numel():
+        raise ValueError(f"region {name!r}: input of shape {tuple(arg.shape)} exceeds the contract-owned "
+                         f"buffer ({buf.numel()} elements)")
+    view = buf[: arg.numel()].view(arg.shape)
+    # state is data, never part of an autograd graph: a state produced by ep.module() in grad
+    # mode must not make the buffer require grad (every later view would then refuse in-place use)
+    with torch.no_grad():
+        view.copy_(arg.detach())
+    return view
 
 
 def _storage_bytes(tensors: Any) -> int:

@@ -1,0 +1,366 @@
+"""The benchmark harness: every benchmark runs, times, gates and reports its cells through this module.
+
+A benchmark is a script with a set of named cells (``B0``, the unmodified program, is the baseline).
+The driver half of the script hands its cells to :func:`run_cells`, which runs each one in a **fresh
+process** (``script --one CELL --out FILE --lane L [--block B] ...``); the cell half builds, times
+and hashes one cell and writes its rows with :func:`write_cell`. Lanes run queues of cells side by
+side, one GPU each. Rows are plain dicts (``name``, ``block``, ``lane``, ``p50_ms``, ``p95_ms``,
+``peak_mib``, ``sha256``, ... or ``error``), saved as JSON lines as each cell finishes and merged
+back with :func:`read_rows`.
+
+The exactness gate (:func:`gate`): a cell whose output bytes (SHA-256) differ from those of the
+baseline cell of the same run, lane and block is NOT EXACT and is never credited with a speedup.
+
+Percentiles are nearest-rank (ties round up): every reported figure is the latency of a call that
+happened, never an interpolation between two calls, and p50 of an even count is the upper median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from cadence_fx.determinism import sha256_tensors
+
+__all__ = [
+    "StreamResult", "add_flags", "append_rows", "baselines_agree", "collect", "count_launches", "gate", "lanes_of",
+    "peak_mib", "percentile", "profile_calls", "read_rows", "run_cells", "summarize", "sync", "table", "time_stream",
+    "timed", "write_cell", "write_json",
+]
+
+BASELINE = "B0"
+_LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+# --------------------------------------------------------------------------- timing
+def sync() -> None:
+    """Wait for the device (a no-op without CUDA): a timing ends when the work has, not when it was queued."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``fn(*args, **kwargs)`` timed to completion on the device: (its output, milliseconds)."""
+    sync()
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    sync()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def percentile(xs: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile of ``xs``, nearest rank with ties rounded up (nan for no values)."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    return s[min(len(s) - 1, math.floor(q / 100 * (len(s) - 1) + 0.5))]
+
+
+@dataclass
+class StreamResult:
+    """Per-call latencies (ms), the SHA-256 of everything the stream emitted, and peak memory."""
+
+    ms: list[float] = field(default_factory=list)
+    sha256: str = ""
+    peak_mib: float | None = None
+    launches_per_call: float | None = None
+    kernels_per_call: float | None = None
+
+    def p(self, q: float) -> float:
+        return percentile(self.ms, q)
+
+    @property
+    def p50(self) -> float:
+        return self.p(50)
+
+    @property
+    def p95(self) -> float:
+        return self.p(95)
+
+
+def time_stream(step: Callable[[int], Any], calls: int, *, emitted: Callable[[Any], Sequence[torch.Tensor]]
+                ) -> StreamResult:
+    """Run ``step(k)`` for k in range(calls), timing each call to completion and hashing what it emits."""
+    res = StreamResult()
+    out_bytes: list[torch.Tensor] = []
+    for k in range(calls):
+        out, ms = timed(step, k)
+        res.ms.append(ms)
+        out_bytes.extend(t.detach().clone() for t in emitted(out))
+    res.sha256 = sha256_tensors(out_bytes)
+    return res
+
+
+def count_launches(fn: Callable[[], Any], *, calls: int = 1) -> tuple[float, float]:
+    """(host launch API calls, device kernels) per call of ``fn``, read with the torch profiler."""
+    p = profile_calls(fn, calls=calls)
+    return p["launches"], p["kernels"]
+
+
+def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
+    """Per call of ``fn``: host launch API calls, device kernels, and device busy time (the sum of
+    kernel durations, ms: the floor a launch-free schedule of the same kernels could reach). nan
+    without CUDA."""
+    nan = float("nan")
+    if not torch.cuda.is_available():
+        return {"launches": nan, "kernels": nan, "busy_ms": nan}
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    launches = kernels = 0
+    busy_us = 0.0
+    for ev in prof.events():
+        if ev.name in _LAUNCH_APIS:
+            launches += 1
+        elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name \
+                and "Memset" not in ev.name:
+            kernels += 1
+            busy_us += ev.time_range.elapsed_us()
+    return {"launches": launches / calls, "kernels": kernels / calls, "busy_ms": busy_us / 1e3 / calls}
+
+
+def peak_mib(reset: bool = False) -> float | None:
+    """The caching allocator's peak allocation since the last reset, MiB (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    sync()
+    value = torch.cuda.max_memory_allocated() / 2**20
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return value
+
+
+# --------------------------------------------------------------------------- cells, one fresh process each
+def add_flags(ap: argparse.ArgumentParser, *, cells: str, blocks: int) -> None:
+    """The flags every benchmark driver shares, and the hidden ones of the cell protocol."""
+    ap.add_argument("--cells", default=cells, help="cells in order; with --lanes, lanes separated by '/' "
+                                                   "(e.g. B0,SRc/B0,S)")
+    ap.add_argument("--blocks", type=int, default=blocks)
+    ap.add_argument("--lanes", type=int, default=1, help="run lanes of cells side by side, one GPU each")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", default=None, help="also append every cell's raw rows to this file (JSON lines)")
+    ap.add_argument("--merge", nargs="*", default=None,
+                    help="report saved rows instead of running (JSON lines, or a --json file); each file is a run")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--lane", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def lanes_of(cells: str, lanes: int) -> list[list[str]]:
+    """``--cells`` split into ``lanes`` queues ('/' between lanes, ',' between cells)."""
+    out = [[c for c in lane.split(",") if c] for lane in cells.split("/")]
+    if len(out) != lanes:
+        raise SystemExit(f"--cells {cells!r} has {len(out)} lane(s) ('/'-separated) but --lanes is {lanes}")
+    return out
+
+
+def write_cell(out: str | Path, rows: dict | list[dict]) -> None:
+    """The cell half of the protocol: write this process's row (or one row per block) for the driver."""
+    Path(out).write_text(json.dumps(rows))
+
+
+def run_cells(script: str | Path, lanes: Sequence[Sequence[str]], args: Sequence[str] = (), *,
+              blocks: int | None = None, rows_path: str | Path | None = None) -> list[dict]:
+    """Run every cell in a fresh process: ``python script --one CELL --out FILE --lane L [--block B] *args``.
+
+    ``blocks``: one process per (block, cell), each writing one row; ``None``: one process per cell,
+    which streams every block itself and writes one row per block. Lanes run side by side (one thread
+    each), cells of a lane one after the other; with more than one lane, lane L sees only GPU L
+    (``CUDA_VISIBLE_DEVICES``). A cell that fails leaves a row with ``error`` (the end of its output).
+    Each cell's rows are appended to ``rows_path`` as soon as it finishes, so a run cut short keeps what
+    it measured. Returns the rows in the order the cells finished.
+    """
+    rows: list[dict] = []
+    lock = threading.Lock()
+
+    def run_lane(lane: int, cells: Sequence[str]) -> None:
+        env = dict(os.environ)
+        if len(lanes) > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(lane)
+        for block in (range(blocks) if blocks is not None else [None]):
+            for cell in cells:
+                new, stderr = _run_one(script, cell, lane, block, args, env)
+                with lock:
+                    relay = "".join(line + "\n" for line in stderr.splitlines() if "Error" in line)[-3000:]
+                    sys.stderr.write(relay)
+                    for r in new:
+                        print(_progress(r), file=sys.stderr, flush=True)
+                    rows.extend(new)
+                    if rows_path:
+                        append_rows(rows_path, new)
+
+    threads = [threading.Thread(target=run_lane, args=(i, cells)) for i, cells in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def _run_one(script, cell: str, lane: int, block: int | None, args: Sequence[str], env: dict) -> tuple[list[dict], str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(script), "--one", cell, "--out", str(out), "--lane", str(lane)]
+        cmd += (["--block", str(block)] if block is not None else []) + list(args)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0 or not out.exists():
+            return [dict(name=cell, block=block or 0, lane=lane, error=(proc.stdout + proc.stderr)[-3000:])], ""
+        got = json.loads(out.read_text())
+    new = got if isinstance(got, list) else [got]
+    for r in new:
+        if block is not None:
+            r["block"] = block
+        r.setdefault("block", 0)
+        r.setdefault("lane", lane)
+    return new, proc.stderr
+
+
+def _progress(r: dict) -> str:
+    where = f"[{r['name']} lane {r.get('lane', 0)} block {r.get('block', 0)}]"
+    if "error" in r:
+        return f"{where} FAILED\n{r['error']}"
+    peak = f"{r['peak_mib']:.0f} MiB" if r.get("peak_mib") is not None else "n/a"
+    return (f"{where} p50 {r['p50_ms']:.2f} ms, p95 {r['p95_ms']:.2f} ms, peak {peak}, sha {r['sha256'][:12]}"
+            + (f", {r['notes']}" if r.get("notes") else ""))
+
+
+def collect(args: argparse.Namespace, script: str | Path, common: Sequence[str], *, per_block: bool) -> list[dict]:
+    """The driver: the gated rows of ``--merge`` files, or of a fresh run of ``--cells`` in ``--lanes``
+    (``per_block``: one process per (block, cell); otherwise one per cell, ``common`` carrying
+    ``--blocks``)."""
+    if args.merge is not None:
+        return gate(read_rows(args.merge))
+    lanes = lanes_of(args.cells, args.lanes)
+    return gate(run_cells(script, lanes, common, blocks=args.blocks if per_block else None, rows_path=args.rows))
+
+
+# --------------------------------------------------------------------------- rows
+def append_rows(path: str | Path, rows: Iterable[dict]) -> None:
+    """Append raw rows to a JSON lines file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def read_rows(paths: Iterable[str | Path]) -> list[dict]:
+    """Rows saved by earlier runs, each file a run of its own (``run`` 0, 1, ...): JSON lines of raw rows,
+    a JSON list of rows, or a ``--json`` report (its ``cells``; runs already merged in it stay apart).
+    Rows of separate runs are gated against their own run's baseline."""
+    rows: list[dict] = []
+    run = 0
+    for path in paths:
+        text = Path(path).read_text()
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            doc = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if isinstance(doc, dict):
+            doc = doc.get("cells", [doc])
+        runs = {k: run + i for i, k in enumerate(dict.fromkeys(r.get("run", 0) for r in doc))}
+        rows += [dict(r, run=runs[r.get("run", 0)]) for r in doc]
+        run += max(len(runs), 1)
+    return rows
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1))
+
+
+# --------------------------------------------------------------------------- the exactness gate
+def _where(r: dict) -> tuple:
+    return r.get("run", 0), r.get("lane", 0), r.get("block", 0)
+
+
+def gate(rows: Iterable[dict], baseline: str = BASELINE) -> list[dict]:
+    """The cell rows (those with timings or an error), each marked ``bitexact`` against the baseline of
+    its run, lane and block (any baseline of the block where its lane ran none) and credited a
+    ``speedup`` (baseline p50 / cell p50) only when exact; the baseline's own speedup is 1.0."""
+    cells = [r for r in rows if "p50_ms" in r or "error" in r]
+    base = {_where(r): r for r in cells if r["name"] == baseline and "error" not in r}
+    for r in cells:
+        b = base.get(_where(r)) or next((v for (_run, _lane, blk), v in base.items() if blk == r.get("block", 0)), None)
+        r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
+        r["speedup"] = (1.0 if r["name"] == baseline and "error" not in r
+                        else b["p50_ms"] / r["p50_ms"] if r["bitexact"] else None)
+    return cells
+
+
+def baselines_agree(rows: Iterable[dict], baseline: str = BASELINE) -> bool:
+    """Whether every baseline row of a block (over lanes and runs) produced the same bytes."""
+    base = {_where(r): r["sha256"] for r in rows if r["name"] == baseline and "error" not in r}
+    return len({(blk, sha) for (_r, _l, blk), sha in base.items()}) == len({blk for _r, _l, blk in base})
+
+
+def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]:
+    """One entry per cell and run (a cell measured in two runs stays two entries, ``NAME (run K)``):
+    the median over its blocks' p50, its peak, and a speedup against the baseline of the same run only
+    where every block is bit-exact. Takes gated rows."""
+    runs_of: dict[str, set] = {}
+    for r in rows:
+        runs_of.setdefault(r["name"], set()).add(r.get("run", 0))
+    summary: dict[str, dict] = {}
+    base_of: dict[int, dict] = {}
+    for name, run in dict.fromkeys((r["name"], r.get("run", 0)) for r in rows):
+        key = name if len(runs_of[name]) == 1 else f"{name} (run {run})"
+        rs = [r for r in rows if r["name"] == name and r.get("run", 0) == run and "error" not in r]
+        if not rs:
+            summary[key] = dict(error=True)
+            continue
+        exact = all(r["bitexact"] for r in rs)
+        p50 = percentile((r["p50_ms"] for r in rs), 50)
+        s = dict(run=run, p50_ms=p50, peak_mib=max((r.get("peak_mib") or 0) for r in rs),
+                 warmup_s=rs[0].get("warmup_s"), bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}")
+        if name == baseline:
+            base_of[run] = s
+        b = base_of.get(run, {})
+        s["speedup"] = b["p50_ms"] / p50 if exact and name != baseline and b else None
+        if b.get("peak_mib") and s["peak_mib"]:
+            s["peak_vs_B0"] = s["peak_mib"] / b["peak_mib"] - 1
+        summary[key] = s
+    return summary
+
+
+# --------------------------------------------------------------------------- the table
+def _num(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and v == v else "n/a"
+
+
+def table(rows: Sequence[dict]) -> str:
+    """One line per row; ``run`` and ``lane`` columns appear when the rows have more than one."""
+    show_run = len({r.get("run", 0) for r in rows}) > 1
+    show_lane = len({r.get("lane", 0) for r in rows}) > 1
+    where = (f"{'run':>4}" if show_run else "") + (f"{'lane':>5}" if show_lane else "")
+    head = (f"{'cell':<12}{where}{'block':>6}{'p50 ms':>10}{'p95 ms':>10}{'peak MiB':>10}{'kernels':>9}{'launches':>9}"
+            f"{'busy ms':>9}{'warmup s':>9}{'exact':>7}{'speedup':>10}  notes")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        at = (f"{r.get('run', 0):>4}" if show_run else "") + (f"{r.get('lane', '?')!s:>5}" if show_lane else "")
+        if "error" in r:
+            last = (r["error"].strip().splitlines() or ["?"])[-1][:80]
+            lines.append(f"{r['name']:<12}{at}{r.get('block', 0):>6}  failed: {last}")
+            continue
+        sp = f"{r['speedup']:.2f}x" if r.get("speedup") else ("-" if r.get("bitexact") else "NOT EXACT")
+        lines.append(f"{r['name']:<12}{at}{r.get('block', 0):>6}{r['p50_ms']:>10.2f}{r['p95_ms']:>10.2f}"
+                     f"{_num(r.get('peak_mib'), '.0f'):>10}{_num(r.get('kernels_per_chunk'), '.0f'):>9}"
+                     f"{_num(r.get('launches_per_chunk'), '.0f'):>9}{_num(r.get('busy_ms'), '.1f'):>9}"
+                     f"{r.get('warmup_s', 0):>9.2f}{str(r.get('bitexact')):>7}{sp:>10}  {r.get('notes', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Lanes: one set of rewritten programs, bound to one set of state buffers, replayed on one stream.
+
+CUDA graphs bind addresses, so a lane's graphs read and write that lane's region buffers and
+workspaces. A call runs on one lane at a time; lanes run concurrently (each on its own CUDA stream
+and graph pool). Sessions do not own graphs: a session's state is copied into a lane's buffers
+for a call and out again after it (see :mod:`cadence_fx.runtime.sessions`), so any free lane
+serves any session and a joining session captures nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch.fx import GraphModule
+
+from cadence_fx.binding import RegionSite
+from cadence_fx.runtime.catalog import Catalog
+from cadence_fx.runtime.runners import RunnerSet
+from cadence_fx.runtime.state import StateStore
+
+if TYPE_CHECKING:
+    from cadence_fx.passes import ProgramFacts
+
+__all__ = ["Entry", "Lane", "LanePool"]
+
+
+@dataclass
+class Entry:
+    """One exported program of the catalog, rewritten for one lane."""
+
+    gm: GraphModule
+    sites: dict[str, RegionSite]
+    facts: "ProgramFacts"
+    admitted: bool
+
+
+@dataclass
+class Lane:
+    """The programs of one lane, the state they are bound to, their runners and their stream."""
+
+    index: int
+    catalog: Catalog[Entry]
+    state: StateStore
+    runners: RunnerSet
+    stream: Any = None  # a torch.cuda.Stream on CUDA; None runs on the caller's current stream
+    resident: Any = None  # the session whose state is in this lane's buffers as returned (no copy)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Run the block on the lane's stream, ordered after the caller's stream and before it again."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
+
+    def stream_context(self) -> Any:
+        return nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+
+
+class LanePool:
+    """Hands out free lanes; a call that names a lane waits for that one."""
+
+    def __init__(self, lanes: list[Lane]) -> None:
+        self.lanes = lanes
+        self._free = threading.Condition()
+        self._busy: set[int] = set()
+
+    def add(self, lane: Lane) -> None:
+        with self._free:
+            self.lanes.append(lane)
+            self._free.notify_all()
+
+    @contextmanager
+    def take(self, index: int | None = None, *, prefer_unoccupied: bool = False) -> Iterator[Lane]:
+        """A free lane (or lane ``index``), held for the block; waits while none is free.
+
+        ``prefer_unoccupied``: take a lane no session's state is resident in when one is free (the
+        default session's state stays in lane 0 until a session needs that lane)."""
+        with self._free:
+            while True:
+                free = [ln for ln in self.lanes if ln.index not in self._busy and (index is None or ln.index == index)]
+                if prefer_unoccupied:
+                    free.sort(key=lambda ln: ln.resident is not None)
+                pick = free[0] if free else None
+                if pick is not None:
+                    self._busy.add(pick.index)
+                    break
+                self._free.wait()
+        try:
+            yield pick
+        finally:
+            with self._free:
+                self._busy.discard(pick.index)
+                self._free.notify_all()

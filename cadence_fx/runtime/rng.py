@@ -1,0 +1,97 @@
+"""Per-session random streams over the process-wide default generators.
+
+A step that draws randomness (HiFT's sine source: ``torch.rand``, ``randn_like``) draws from the
+default CPU and CUDA generators, which are one per process. Run alone, a conversation's draws
+follow one Philox sequence; interleaved with other conversations on the same generators, they would
+not. So each session carries its own generator states, and every draw it makes (an eager random op,
+or the replay of a graph that draws) runs with the session's states installed in the default
+generators, under one process-wide lock, and saves them back. The lock is held only around
+launching the draw, not while the device computes: sessions on different streams still overlap.
+
+Outside a session (plain ``prog(...)``), nothing is swapped: draws use the generators as they are.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["RngStates", "SessionRng", "drawing", "draw_random", "session_rng"]
+
+_lock = threading.RLock()
+_local = threading.local()
+
+
+@dataclass
+class RngStates:
+    """The default generators' states: CPU, and CUDA per device (None without CUDA)."""
+
+    cpu: torch.Tensor
+    cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def current(cls) -> "RngStates":
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+    @classmethod
+    def seeded(cls, seed: int) -> "RngStates":
+        """The states ``torch.manual_seed(seed)`` gives, without touching the process's generators."""
+        with _lock:
+            saved = cls.current()
+            torch.manual_seed(seed)
+            out = cls.current()
+            saved.install()
+        return out
+
+    def install(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+    def clone(self) -> "RngStates":
+        return RngStates(self.cpu.clone(), None if self.cuda is None else [t.clone() for t in self.cuda])
+
+
+class SessionRng:
+    """A session's generator states; advanced by every draw made while it is the thread's active one."""
+
+    def __init__(self, states: RngStates) -> None:
+        self.states = states
+
+
+@contextmanager
+def session_rng(rng: SessionRng | None) -> Iterator[None]:
+    """Make ``rng`` the calling thread's active session streams for the block."""
+    prev = getattr(_local, "rng", None)
+    _local.rng = rng
+    try:
+        yield
+    finally:
+        _local.rng = prev
+
+
+@contextmanager
+def drawing() -> Iterator[None]:
+    """Around a random draw: install the active session's states, then save them back (no-op outside one)."""
+    rng: SessionRng | None = getattr(_local, "rng", None)
+    if rng is None:
+        yield
+        return
+    with _lock:
+        outside = RngStates.current()
+        rng.states.install()
+        try:
+            yield
+        finally:
+            rng.states = RngStates.current()
+            outside.install()
+
+
+def draw_random(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """An eager random op of the step, drawn from the active session's streams (graph-side hook)."""
+    with drawing():
+        return op(*args, **kwargs)
