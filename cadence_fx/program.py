@@ -68,11 +68,13 @@ class OptimizedProgram:
     returned state (kept from an older call) is refused with :class:`cadence_fx.StaleState`.
 
     Many conversations: :meth:`session` hands out sessions with state of their own over the same
-    weights and graphs; :meth:`add_lanes` adds graph sets that run sessions concurrently.
+    weights and graphs; ``optimize(..., lanes=n)`` builds n graph sets that run session calls at once.
     """
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
-                 replay: Replay | Any, state: bool = True) -> None:
+                 replay: Replay | Any, state: bool = True, lanes: int = 1) -> None:
+        if not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"lanes must be a positive int, got {lanes!r}")
         self.contract = contract
         self.state_rule = state
         # programs saved and loaded separately carry one copy of the weights each: fold them into one
@@ -94,6 +96,10 @@ class OptimizedProgram:
         lane0 = self._build_lane(0, self._backend, record=True)
         _check_extents(contract, self.plan, self._sites)  # after the passes: theirs name the node that differs
         self.lanes = LanePool([lane0])
+        for _ in range(lanes - 1):
+            backend = self._backend.fork() if hasattr(self._backend, "fork") else self._backend
+            self.lanes.add(self._build_lane(len(self.lanes.lanes), backend))
+        self._exported = []  # the rewritten programs hold what they need; the stock workspaces can go
         self._default = _DefaultState(lane0)
         lane0.resident = self._default
         self.state = lane0.state
@@ -263,18 +269,6 @@ class OptimizedProgram:
         lane.state.forget_returned()
         lane.resident = None
 
-    def add_lanes(self, n: int = 1) -> list[Lane]:
-        """Add ``n`` lanes: copies of the rewritten programs with their own state buffers, workspaces,
-        graph pool and CUDA stream, so that ``n + 1`` session calls run at once. Capture them with
-        :meth:`warmup` before traffic."""
-        added = []
-        for _ in range(n):
-            backend = self._backend.fork() if hasattr(self._backend, "fork") else self._backend
-            lane = self._build_lane(len(self.lanes.lanes), backend)
-            self.lanes.add(lane)
-            added.append(lane)
-        return added
-
     # ------------------------------------------------------------------ replay
     def runners(self) -> dict[str, Any]:
         """All replay engines, by lane (after the first), partition and wrapped invocation."""
@@ -420,7 +414,8 @@ class _NoReturned:
 
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
-             verify: bool = False, replay: Replay | Any = "auto", state: bool = True) -> OptimizedProgram:
+             verify: bool = False, replay: Replay | Any = "auto", state: bool = True,
+             lanes: int = 1) -> OptimizedProgram:
     """Rewrite a streaming step under ``contract`` and return a drop-in replacement for ``ep.module()``.
 
     Args:
@@ -433,6 +428,10 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
             (eager otherwise), ``"off"`` never replays, or a replay backend object.
         state: apply the state rule (contract-owned region buffers, in-place writeback). Off, the
             regions stay as the program allocates them: the single-rule cells of the factorial.
+        lanes: how many session calls may run at once: each lane is one copy of the rewritten
+            programs with its own state buffers, workspaces, graph pool and CUDA stream (weights and
+            hoisted constants are shared). Sessions (:meth:`OptimizedProgram.session`) are not lanes:
+            any number of them share the lanes, each call copying its state in and out.
 
     Raises:
         ContractError: the contract is inconsistent with itself or with the exported programs.
@@ -440,7 +439,7 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     eps = [exported] if isinstance(exported, ExportedProgram) else list(exported)
     if not eps:
         raise ContractError("optimize: no exported program given")
-    return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state)
+    return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state, lanes=lanes)
 
 
 def _pick_backend(replay: Replay | Any) -> Any:

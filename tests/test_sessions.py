@@ -53,8 +53,7 @@ def _prompt_state(model, seed):
 
 def test_two_sessions_interleaved_are_each_their_own_solo_run(setup):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend())
-    prog.add_lanes(1)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
     prog.warmup(*_fresh(0, 0)[:1], *model.initial_state(), _fresh(0, 0)[1])
     a, b = prog.session("a"), prog.session("b")
     sa, sb = _prompt_state(model, 1), _prompt_state(model, 2)
@@ -184,8 +183,7 @@ def test_each_session_draws_its_own_random_stream():
 
 def test_one_sessions_bytes_are_the_same_alone_interleaved_and_concurrent(setup):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend())
-    prog.add_lanes(2)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=3)
     prog.warmup(*_fresh(0, 0)[:1], *model.initial_state(), _fresh(0, 0)[1])
 
     def run(session, seed, calls=5):
@@ -223,8 +221,7 @@ def test_random_session_schedules_match_each_session_run_alone(setup, case):
     run alone through ep.module() (restores included), whatever ran beside it."""
     model, contract, eps = setup
     k, lanes, ops = case
-    prog = cf.optimize(eps, contract, replay=FakeBackend())
-    prog.add_lanes(lanes)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=lanes + 1)
     ref = cf.reference(eps)
     live = {}  # slot -> dict(session, seed, step, state, ref_state, snap)
     joined = 0
