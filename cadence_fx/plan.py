@@ -53,7 +53,7 @@ class RegionPlan:
     """The derived facts for one region (see :func:`plan`)."""
 
     name: str
-    order: str
+    order: str | None  # None: a Ring the model writes in place
     retention: str
     extents: tuple[int, ...]  # catalog: input extents visited
     attended: int  # longest history a consumer reads (the carry)
@@ -92,7 +92,7 @@ class Plan:
         hdr = f"{'region':<22}{'order':<9}{'retention':<30}{'attended':>9}{'envelope':>9}{'stored':>8}{'MiB':>9}"
         lines += [hdr, "-" * len(hdr)]
         for r in self.regions:
-            lines.append(f"{r.name:<22}{r.order:<9}{r.retention:<30}{r.attended:>9}{r.envelope:>9}"
+            lines.append(f"{r.name:<22}{(r.order or 'in place'):<9}{r.retention:<30}{r.attended:>9}{r.envelope:>9}"
                          f"{r.stored:>8}{r.stored_bytes / 2**20:>9.2f}")
         lines += ["", "static envelope the program allocates vs. contract demand:"]
         for r in self.regions:

@@ -27,7 +27,7 @@ from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.plan import Plan, plan as make_plan
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
-from cadence_fx.runtime.lanes import Entry, Lane, LanePool
+from cadence_fx.runtime.lanes import Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
 from cadence_fx.runtime.sessions import Session
 from cadence_fx.runtime.state import StateStore
@@ -113,12 +113,15 @@ class OptimizedProgram:
             for rp in self.plan.regions} if self.state_rule else {})
         tables = CatalogTables(constants=self._shared.constants, digests=self._shared.digests)
         runners = RunnerSet()
+        private: dict[int, torch.Tensor] = {}
         entries = []
         for ep, sites in zip(self._exported, self._sites):
             admitted = self._admit(sites, log_refusal=record)
             facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
             # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
             gm = run_pipeline(ep.module(), PassContext(self._config, tables, facts))
+            if index > 0:  # lane 0 runs on the stock module's scratch buffers; the others get their own
+                privatize_written_buffers(gm, private)
             if backend is not None and admitted:
                 install_runners(gm, backend, runners)
             isolate_randomness(gm)

@@ -29,7 +29,7 @@ import cadence_fx as cf  # noqa: E402
 from cadence_fx.adapters import token2wav as t2w  # noqa: E402
 from cadence_fx.adapters.upstream import load_stepaudio2  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
-from cadence_fx.measure import sync  # noqa: E402
+from benchmarks.harness import sync  # noqa: E402
 
 
 def stream(fn, step: t2w.Token2WavStep, state: dict, fresh: list, seed: int) -> tuple[list[torch.Tensor], list[float]]:

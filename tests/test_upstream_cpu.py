@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import cadence_fx as cf
+from cadence_fx.annotations import WRAPPED
 from cadence_fx.adapters.token2wav import (
     CatalogReference, DiTStep, EncoderStep, StreamingStep, Token2WavConfig, Token2WavStep, bounded_vocoder_stream,
     build_causal_vocoder, build_dit, build_encoder, build_flow, build_vocoder, dit_step_contract,
@@ -115,8 +116,8 @@ def check_optimized(step, contract, eps, state, fresh, *, verify: bool, restore=
 
 def wrapped_invocations(prog: cf.OptimizedProgram) -> list[list[str]]:
     """Per exported program, the wrapped invocation each partition runs (in graph order)."""
-    return [[n.meta["cadence_wrapped"] for n in gm.graph.nodes
-             if n.op == "call_module" and n.meta.get("cadence_wrapped")] for gm in prog.graph_modules()]
+    return [[n.meta[WRAPPED] for n in gm.graph.nodes
+             if n.op == "call_module" and n.meta.get(WRAPPED)] for gm in prog.graph_modules()]
 
 
 def trims(step: StreamingStep, name: str, state, outs) -> int:

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import OWNED_PREFIX
 from cadence_fx.binding import RegionSite
+from cadence_fx.graph_utils import is_mutating, view_root
 from cadence_fx.runtime.catalog import Catalog
 from cadence_fx.runtime.runners import RunnerSet
 from cadence_fx.runtime.state import StateStore
@@ -25,7 +27,7 @@ from cadence_fx.runtime.state import StateStore
 if TYPE_CHECKING:
     from cadence_fx.passes import ProgramFacts
 
-__all__ = ["Entry", "Lane", "LanePool"]
+__all__ = ["Entry", "Lane", "LanePool", "privatize_written_buffers"]
 
 
 @dataclass
@@ -101,3 +103,38 @@ class LanePool:
             with self._free:
                 self._busy.discard(pick.index)
                 self._free.notify_all()
+
+
+def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor]) -> int:
+    """Give a lane its own copy of every module buffer its graphs write in place (scratch the stock
+    step keeps in its modules, outside the contract's regions and the demand-sized workspaces).
+
+    Two lanes running at once must not write one tensor. ``copies`` maps a stock tensor's id to the
+    lane's copy, so every program of the lane shares one copy per buffer. Returns how many attributes
+    were rebound.
+    """
+    rebound = 0
+    for mod in gm.modules():
+        graph = getattr(mod, "graph", None)
+        if graph is None or not isinstance(mod, GraphModule):
+            continue
+        for node in graph.nodes:
+            if not (is_mutating(node) and node.args and isinstance(node.args[0], Node)):
+                continue
+            root = view_root(node.args[0])
+            if root is None or root.op != "get_attr" or str(root.target).startswith(OWNED_PREFIX):
+                continue
+            owner_path, _, leaf = str(root.target).rpartition(".")
+            owner = mod.get_submodule(owner_path) if owner_path else mod
+            t = getattr(owner, leaf)
+            if not isinstance(t, torch.Tensor):
+                continue
+            if id(t) not in copies:
+                copies[id(t)] = t.detach().clone()
+            if t is not copies[id(t)]:
+                if leaf in owner._buffers:
+                    owner._buffers[leaf] = copies[id(t)]
+                else:
+                    setattr(owner, leaf, copies[id(t)])
+                rebound += 1
+    return rebound

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["RngStates", "SessionRng", "drawing", "draw_random", "session_rng"]
+__all__ = ["RngStates", "SessionRng", "draw_random", "drawing", "replaying_draws", "session_rng"]
 
 _lock = threading.RLock()
 _local = threading.local()
@@ -89,6 +89,33 @@ def drawing() -> Iterator[None]:
         finally:
             rng.states = RngStates.current()
             outside.install()
+
+
+_last_replay: Any = None  # the event after the last replayed graph that draws, on whichever stream ran it
+
+
+@contextmanager
+def replaying_draws() -> Iterator[None]:
+    """Around launching a captured graph that draws, inside :func:`drawing`.
+
+    A replay writes the generator's seed and offset into device tensors that every captured graph
+    of that generator reads (its replay prologue), on the replaying stream. Two lanes replaying such
+    graphs on two streams would race on those tensors, so each such replay is ordered after the
+    previous one's completion (only the graphs that draw; the rest of each lane runs freely).
+    """
+    global _last_replay
+    rng = getattr(_local, "rng", None)
+    if rng is None or not torch.cuda.is_available():
+        yield
+        return
+    stream = torch.cuda.current_stream()
+    if _last_replay is not None:
+        stream.wait_event(_last_replay)
+    try:
+        yield
+    finally:
+        _last_replay = torch.cuda.Event()
+        _last_replay.record(stream)
 
 
 def draw_random(op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM, replay_spec
 from cadence_fx.replay import ExactShapeReplay, ReplayBackend
-from cadence_fx.runtime.rng import draw_random, drawing
+from cadence_fx.runtime.rng import draw_random, drawing, replaying_draws
 
 __all__ = ["CaptureGate", "CaptureSession", "RandomGuard", "ReplayRunner", "RunnerSet", "install_runners",
            "isolate_randomness"]
@@ -69,7 +69,7 @@ class ReplayRunner(torch.nn.Module):
                 report = self.engine.capture(*args, restored_by_caller=session.restored_by_caller)
                 session.captured += int(report.admitted)
         if self.random:
-            with drawing():
+            with drawing(), replaying_draws():
                 return self.engine(*args)
         return self.engine(*args)
 

@@ -58,6 +58,7 @@ class Session:
         states = rng if rng is not None else RngStates.seeded(seed) if seed is not None else RngStates.current()
         self.rng = SessionRng(states.clone())
         self._returned: dict[str, torch.Tensor] = {}
+        self._done: torch.cuda.Event | None = None  # end of the last call's work, on the stream that ran it
         self._lock = threading.Lock()
         self.calls = 0
         self.closed = False
@@ -82,7 +83,10 @@ class Session:
         program.evict(lane)
         entry = lane.catalog.lookup(flat)
         program.check_entry(entry)
+        cuda = any(b.is_cuda for b in self._buffers.values())
         with lane.on_stream(), torch.no_grad():
+            if self._done is not None:  # the session's previous call (any lane, any caller stream) came first
+                torch.cuda.current_stream().wait_event(self._done)
             for name, site in entry.sites.items():
                 flat[program.input_index(name)] = copy_into(lane.state.region_buffer(name), name, sources[name], site)
             with session_rng(self.rng):
@@ -92,6 +96,9 @@ class Session:
                 j = site.region.output
                 outs[j] = copy_into(self._buffers[name], name, outs[j], site)
                 self._returned[name] = outs[j]
+            if cuda:
+                self._done = torch.cuda.Event()
+                self._done.record()
         if lane.stream is not None:  # outputs allocated on the lane's stream are read on the caller's
             caller = torch.cuda.current_stream(lane.stream.device)
             for t in outs:
