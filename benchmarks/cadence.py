@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.token2wav import EXPORT_SEED, _build, _device, _release_unreferenced  # noqa: E402
+from benchmarks.token2wav import EXPORT_SEED, build_step, pick_device, release_unreferenced  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 
 BUDGET_S = 1.0  # one chunk is one second of audio
@@ -84,8 +84,8 @@ def run_sessions_cell(args) -> list[dict]:
     import cadence_fx as cf
 
     pin_envelope()
-    device = _device()
-    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
+    device = pick_device()
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
     state0 = step.setup(tokens, mel, spk)
     chunks = int(args.seconds)
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def run_sessions_cell(args) -> list[dict]:
     prog = cf.optimize(eps, contract, lanes=args.lanes)
     optimize_s = time.perf_counter() - t0
     del eps
-    _release_unreferenced(step, prog)
+    release_unreferenced(step, prog)
     state0 = {k: v.cpu() for k, v in state0.items()}
     first = step.fresh(1, spk)[0]
     warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
@@ -234,8 +234,8 @@ def run_stock_cell(args) -> list[dict]:
 
 def run_stock_child(args) -> None:
     pin_envelope()
-    device = _device()
-    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
+    device = pick_device()
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
     state0 = step.setup(tokens, mel, spk)
     script = args.child % args.scripts
     chunks = int(args.seconds)

@@ -74,7 +74,7 @@ def _upstream():
     return load_stepaudio2(Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream")) / "minicpmo-0.1.2")
 
 
-def _build(args, device: str):
+def build_step(args, device: str):
     """The stock step from the benchmark seed, on ``device``; returns (t2w, cfg, step, prompt)."""
     from cadence_fx.adapters import token2wav as t2w
 
@@ -85,7 +85,7 @@ def _build(args, device: str):
     return t2w, cfg, step, tuple(t.to(device) for t in t2w.example_prompt(cfg))
 
 
-def _device() -> str:
+def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -152,8 +152,8 @@ def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None
 
 def run_stock_cell(args, name: str) -> list[dict]:
     env = pin_envelope()
-    device = _device()
-    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
+    device = pick_device()
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
     state0 = {k: v.cpu() for k, v in step.setup(tokens, mel, spk).items()}
     extra: dict = {"lane": args.lane}
     fn = step.stock_call
@@ -198,8 +198,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
 
     pin_envelope()
     spec = OPT_CELLS[name]
-    device = _device()
-    t2w, cfg, step, (tokens, mel, spk) = _build(args, device)
+    device = pick_device()
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
     state0 = step.setup(tokens, mel, spk)
     contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2",
                                       step_segments=spec.get("step_segments", False))
@@ -213,7 +213,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     prog = cf.optimize(eps, contract, replay=spec["replay"], state=spec["state"])
     optimize_s = time.perf_counter() - t0
     del eps
-    released = _release_unreferenced(step, prog)
+    released = release_unreferenced(step, prog)
     _ready(device)
     memory = {"after_optimize_mib": torch.cuda.memory_allocated() / 2**20 if device == "cuda" else None,
               "released_stock_mib": released / 2**20}
@@ -243,7 +243,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     return rows
 
 
-def _release_unreferenced(step, prog) -> int:
+def release_unreferenced(step, prog) -> int:
     """Free the stock module's buffers no optimized graph uses (its workspaces); returns the bytes.
 
     The cell never calls the stock module again (it only drives inputs and state), and a deployment
