@@ -52,3 +52,16 @@ def live_view(outputs, live: dict[int, dict[int, int]]):
         for d, n in dims.items():
             out[j] = out[j].narrow(d, 0, n)
     return out
+
+
+def demo_catalog(cfg=None):
+    """The demo decoder (seed 0), its contract and its exported catalog: (model, contract, eps)."""
+    import torch
+
+    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+
+    cfg = cfg or DemoConfig()
+    torch.manual_seed(0)
+    model = StreamingDecoder(cfg).eval()
+    contract = demo_contract(cfg)
+    return model, contract, export_catalog(model, contract)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import cadence_fx as cf
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.demo_model import DemoConfig
 from cadence_fx.replay import FakeBackend
-from tests.helpers import live_view
+from tests.helpers import demo_catalog, live_view
 
 CFG = DemoConfig()
 LIVE = {2: {0: CFG.steps}}
@@ -16,10 +16,7 @@ LIVE = {2: {0: CFG.steps}}
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    model = StreamingDecoder(CFG).eval()
-    contract = demo_contract(CFG)
-    return model, contract, export_catalog(model, contract)
+    return demo_catalog(CFG)
 
 
 def _fresh(k: int):

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import cadence_fx as cf
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.demo_model import DemoConfig
 from cadence_fx.replay import FakeBackend
-from tests.helpers import live_view, sha256
+from tests.helpers import demo_catalog, live_view, sha256
 
 CFG = DemoConfig()
 LIVE = {2: {0: CFG.steps}}
@@ -20,10 +20,7 @@ LIVE = {2: {0: CFG.steps}}
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    model = StreamingDecoder(CFG).eval()
-    contract = demo_contract(CFG)
-    return model, contract, export_catalog(model, contract)
+    return demo_catalog(CFG)
 
 
 def _fresh(seed: int, k: int):
