@@ -52,6 +52,18 @@ def view_root(node: object) -> Node | None:
     return node if isinstance(node, Node) else None
 
 
+def written_in_place(node: object) -> Node | None:
+    """The tensor an in-place op returns is its first argument, written: follow such returns
+    (``cache.index_copy_(...)``, ``scatter_``, ``index_put_``) back to the tensor they wrote."""
+    while isinstance(node, Node) and node.op == "call_function" and is_mutating(node) and node.args \
+            and isinstance(node.args[0], Node):
+        rets = node.target._schema.returns
+        if not rets or rets[0].alias_info is None or not rets[0].alias_info.is_write:
+            break
+        node = node.args[0]
+    return node if isinstance(node, Node) else None
+
+
 def shape_of(node: object) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, Node) else None
     if isinstance(val, torch.Tensor):

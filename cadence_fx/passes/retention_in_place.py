@@ -20,7 +20,7 @@ from cadence_fx.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
 from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_mutating, numel, output_node, overload_name,
-                                    set_flat_output, shape_of, view_root)
+                                    set_flat_output, shape_of, view_root, written_in_place)
 from cadence_fx.passes import PassContext
 
 
@@ -66,7 +66,10 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             parts = retained_parts(value, site, ctx.contract.growth(site.region))
             staged: list[tuple[_Part, Node]] = []
             for p in parts:
-                in_place = p.src is state.placeholder and site.out_shape == site.shape and not site.live
+                # the input itself, or the input written in place (a ring's index_copy_/scatter_, a slice
+                # assignment): the bytes are already in the region buffer the input is a view of
+                in_place = written_in_place(p.src) is state.placeholder and site.out_shape == site.shape \
+                    and not site.live
                 in_place |= p.base is state.carry and state.carry is not None and p.src_offset == p.dst_offset
                 if in_place:
                     continue
