@@ -120,8 +120,8 @@ class OptimizedProgram:
             facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
             # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
             gm = run_pipeline(ep.module(), PassContext(self._config, tables, facts))
-            if index > 0:  # lane 0 runs on the stock module's scratch buffers; the others get their own
-                privatize_written_buffers(gm, private)
+            # lane 0 runs on the stock module's scratch buffers; the others get their own copies
+            privatize_written_buffers(gm, private, clone=index > 0)
             if backend is not None and admitted:
                 install_runners(gm, backend, runners)
             isolate_randomness(gm)
@@ -144,7 +144,7 @@ class OptimizedProgram:
         stream = None
         if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
             stream = torch.cuda.Stream(backend.device)
-        lane = Lane(index, catalog, store, runners, stream=stream)
+        lane = Lane(index, catalog, store, runners, stream=stream, scratch=list(private.values()))
         for t in store.tensors():
             self._owners[t.untyped_storage().data_ptr()] = lane
         return lane

@@ -257,3 +257,30 @@ def test_random_session_schedules_match_each_session_run_alone(setup, case):
         elif op == "join":
             c["s"].close()
             join(slot)
+
+
+class Scratch(torch.nn.Module):
+    """Writes a module buffer in place every call and returns a view of it (stock scratch, not state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("work", torch.zeros(4, 4))
+
+    def forward(self, x, cache):
+        kv = torch.cat([cache, x], 0)
+        self.work.copy_(kv[-4:] * 2)
+        return self.work[:2], kv[-3:]
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_an_output_viewing_what_a_lane_writes_is_the_sessions_own(lanes):
+    contract = cf.Contract(clocks=(cf.Clock("frame", 1),), regions=(
+        cf.Region("kv", input="cache", output=1, clock="frame", axis=0, order="old_new",
+                  retention=cf.SlidingWindow(3), initial=3),))
+    eps = cf.export_catalog(Scratch(), contract, {"x": torch.zeros(1, 4), "cache": torch.zeros(3, 4)})
+    prog = cf.optimize(eps, contract, replay="off", lanes=lanes)
+    a, b = prog.session("a"), prog.session("b")
+    ya, _ = a(torch.ones(1, 4), torch.zeros(3, 4))
+    kept = ya.clone()
+    b(torch.full((1, 4), 7.0), torch.full((3, 4), 5.0))  # the same lane (or the other) writes its scratch
+    assert torch.equal(ya, kept)

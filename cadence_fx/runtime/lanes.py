@@ -50,7 +50,12 @@ class Lane:
     runners: RunnerSet
     stream: Any = None  # a torch.cuda.Stream on CUDA; None runs on the caller's current stream
     resident: Any = None  # the session whose state is in this lane's buffers as returned (no copy)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    scratch: list[torch.Tensor] = field(default_factory=list)  # module buffers the graphs write, this lane's copies
+
+    def writes(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views storage this lane's calls write (regions, workspaces, scratch)."""
+        ptr = t.untyped_storage().data_ptr()
+        return ptr in self.state.owned_storages() or any(ptr == s.untyped_storage().data_ptr() for s in self.scratch)
 
     @contextmanager
     def on_stream(self) -> Iterator[None]:
@@ -105,13 +110,13 @@ class LanePool:
                 self._free.notify_all()
 
 
-def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor]) -> int:
+def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], *, clone: bool = True) -> int:
     """Give a lane its own copy of every module buffer its graphs write in place (scratch the stock
     step keeps in its modules, outside the contract's regions and the demand-sized workspaces).
 
     Two lanes running at once must not write one tensor. ``copies`` maps a stock tensor's id to the
-    lane's copy, so every program of the lane shares one copy per buffer. Returns how many attributes
-    were rebound.
+    lane's copy, so every program of the lane shares one copy per buffer. ``clone=False`` only records
+    them (lane 0 keeps the stock module's). Returns how many attributes were rebound.
     """
     rebound = 0
     for mod in gm.modules():
@@ -130,7 +135,7 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor]) 
             if not isinstance(t, torch.Tensor):
                 continue
             if id(t) not in copies:
-                copies[id(t)] = t.detach().clone()
+                copies[id(t)] = t.detach().clone() if clone else t
             if t is not copies[id(t)]:
                 if leaf in owner._buffers:
                     owner._buffers[leaf] = copies[id(t)]

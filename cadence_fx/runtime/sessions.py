@@ -92,10 +92,17 @@ class Session:
             with session_rng(self.rng):
                 out = entry.gm(*flat)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            state_outs = set()
             for name, site in entry.sites.items():
                 j = site.region.output
                 outs[j] = copy_into(self._buffers[name], name, outs[j], site)
                 self._returned[name] = outs[j]
+                state_outs.add(j)
+            # an output that views what the lane writes (a workspace) would change under the next
+            # session's call on this lane: the session gets its own copy
+            for j, t in enumerate(outs):
+                if j not in state_outs and isinstance(t, torch.Tensor) and lane.writes(t):
+                    outs[j] = t.clone()
             if cuda:
                 self._done = torch.cuda.Event()
                 self._done.record()
