@@ -275,3 +275,16 @@ def test_warmup_snapshots_no_region_or_workspace_per_capture(monkeypatch):
     refs, opts, _ = run_streams(eps, prog, _inputs(cfg), state0, REGION_OUT, 6)
     _same(refs, opts, cfg)
     assert prog.counters()["eager"] == 0
+
+
+def test_demo_script_as_the_readme_runs_it():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "demo.py"), "--calls", "4", "--dim", "16"],
+                          capture_output=True, text=True, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "bit-identical     : True" in proc.stdout
+    assert "each equal to its solo unmodified run: [True, True, True]" in proc.stdout
