@@ -15,19 +15,31 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
 from cadence_fx.binding import RegionSite
-from cadence_fx.runtime.lanes import Lane
+from cadence_fx.runtime.lanes import Entry, Lane, LanePool
 from cadence_fx.runtime.rng import RngStates, SessionRng, session_rng
 from cadence_fx.runtime.state import StaleState, copy_into, stale_message
 
-if TYPE_CHECKING:
-    from cadence_fx.program import OptimizedProgram
+class SessionHost(Protocol):
+    """What a session needs from the program that hands it out (the façade implements it)."""
 
-__all__ = ["Session", "SessionClosed", "Snapshot"]
+    lanes: LanePool
+
+    def new_region_buffers(self) -> dict[str, torch.Tensor]: ...
+    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]: ...
+    def lookup(self, flat: Sequence[Any]) -> Entry: ...
+    def check_entry(self, entry: Entry) -> None: ...
+    def input_index(self, region: str) -> int: ...
+    def region_sites(self) -> dict[str, RegionSite]: ...
+    def owner_of(self, t: torch.Tensor) -> Any: ...
+    def evict(self, lane: Lane) -> None: ...
+    def forget_session(self, session: "Session") -> None: ...
+
+__all__ = ["Session", "SessionClosed", "SessionHost", "Snapshot"]
 
 
 class SessionClosed(RuntimeError):
@@ -50,7 +62,7 @@ class Session:
     last returned state is refused with :class:`~cadence_fx.runtime.state.StaleState`.
     """
 
-    def __init__(self, program: "OptimizedProgram", name: str, *, seed: int | None = None,
+    def __init__(self, program: SessionHost, name: str, *, seed: int | None = None,
                  rng: RngStates | None = None) -> None:
         self.program = program
         self.name = name
