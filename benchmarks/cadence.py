@@ -67,7 +67,7 @@ def _solo_stock(step, state0: dict, spk, script: int, chunks: int) -> str:
     pcm = []
     for f in _script_tokens(step, spk, script, chunks):
         with torch.no_grad():
-            out = step.stock_call(*step.next_args(f, st))
+            out = step.driver_call(*step.next_args(f, st))
         pcm.append(out[0].cpu())
         st = step.carry(out)
     return sha256_tensors(pcm)
@@ -254,7 +254,7 @@ def run_stock_child(args) -> None:
         if wait > 0:
             time.sleep(wait)
         with torch.no_grad():
-            out = step.stock_call(*step.next_args(f, st))
+            out = step.driver_call(*step.next_args(f, st))
         pcm.append(out[0].cpu())
         lat.append((time.time() - arrive) * 1e3)
         st = step.carry(out)

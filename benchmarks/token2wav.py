@@ -5,7 +5,10 @@
 Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks, the 0.1.2 driver
 (flow chunk + stock trim + stochastic HiFT). Cells:
 
-- ``B0``         the stock eager code as shipped (``flow.inference_chunk`` + trim + HiFT);
+- ``B0``         the stock eager code as shipped (``flow.inference_chunk`` + trim + HiFT) with the stock
+                 driver's own state handling (``Token2WavStep.driver_call``: only the vocoder caches are
+                 copied, as ``Token2wav.stream`` does; rows recorded before 2026-11-30's last commits used
+                 ``stock_call``, which clones every output);
 - ``vendor``     the same with the vendor CUDA-graph branch enabled as shipped (buckets 30/48/96);
 - ``vendor_live`` the vendor branch re-bucketed to the live estimator call (its padded graph captured
   for the chunk size the stream uses, padded to the largest history);
@@ -156,7 +159,7 @@ def run_stock_cell(args, name: str) -> list[dict]:
     t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
     state0 = {k: v.cpu() for k, v in step.setup(tokens, mel, spk).items()}
     extra: dict = {"lane": args.lane}
-    fn = step.stock_call
+    fn = step.driver_call
     warm = 0.0
     counter = {"n": 0}
     if name == "B0":
@@ -321,7 +324,7 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 
     dit.blocks_forward_chunk = spy
     try:
-        _stream(step.stock_call, step, state0, step.fresh(3, spk, seed=EXPORT_SEED), 0, False, device, False)
+        _stream(step.driver_call, step, state0, step.fresh(3, spk, seed=EXPORT_SEED), 0, False, device, False)
     finally:
         del dit.blocks_forward_chunk
     x, t, cnn_cache, att_cache = seen["args"]

@@ -351,3 +351,19 @@ def test_token2wav_example_streams_bit_identical(capsys):
     spec.loader.exec_module(example)
     assert example.main(["--reduced", "--chunks", "4"]) is True
     assert "bit-identical        : True" in capsys.readouterr().out
+
+
+def test_driver_state_handling_gives_the_stock_call_bytes(cfg):
+    """The stock driver keeps the flow state as inference_chunk returns it (no copies); the benchmark's
+    stock_call clones every output. Same bytes either way, call after call."""
+    up = upstream("0.1.2")
+    torch.manual_seed(3)
+    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    prompt = example_prompt(cfg)
+    state = step.setup(*prompt)
+    fresh = step.fresh(4, prompt[2], seed=8)
+    torch.manual_seed(11)
+    cloned = run_stream(step.stock_call, step, state, fresh)
+    torch.manual_seed(11)
+    driver = run_stream(step.driver_call, step, state, fresh)
+    assert sha256_tensors([t for c in cloned for t in c]) == sha256_tensors([t for c in driver for t in c])

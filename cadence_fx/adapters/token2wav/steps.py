@@ -183,6 +183,20 @@ class Token2WavStep(StreamingStep):
             outs = self._flow_and_vocoder(kw, self.flow.inference_chunk, hift)
         return tuple(t.clone() for t in outs)  # outside inference mode: plain tensors
 
+    def driver_call(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One call with the stock driver's own state handling (``Token2wav.stream``): the decorated
+        ``flow.inference_chunk`` (its own inference mode), the trims, HiFT, and copies only of the
+        vocoder caches, which the driver stores as ``x[..., -n:].clone().detach()``. No other copy:
+        the flow state is what ``inference_chunk`` returns, as the driver keeps it. The baseline for
+        memory; :meth:`stock_call` clones every output."""
+        kw = dict(zip(self.inputs, args))
+        hift = self.vocoder.upstream if self.vocoder is not None else None
+        outs = self._flow_and_vocoder(kw, self.flow.inference_chunk, hift)
+        if hift is None:
+            return outs
+        *head, mel_c, src_c, sp_c = outs
+        return (*head, mel_c.clone().detach(), src_c.clone().detach(), sp_c.clone().detach())
+
     def export_context(self, contract: Contract,
                        granularity: Granularity | None = None) -> contextlib.AbstractContextManager:
         """The flow's proxies (:func:`routed`) for the export: the estimator's routing (``"step"``)
