@@ -190,9 +190,10 @@ class OptimizedProgram:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
         return flat
 
-    def lookup(self, flat: Sequence[Any]) -> Entry:
-        """The catalog entry (lane 0's) for a call's inputs; :class:`CatalogMiss` when none covers them."""
-        return self.catalog.lookup(flat)
+    def lookup(self, flat: Sequence[Any]) -> tuple[tuple, Entry]:
+        """``(key, lane 0's catalog entry)`` for a call's inputs (the key selects the class on any lane);
+        :class:`CatalogMiss` when none covers them."""
+        return self.catalog.find(flat)
 
     def check_entry(self, entry: Entry) -> None:
         """Per-call guards of one entry: folded weights unchanged; refused classes counted."""

@@ -102,11 +102,15 @@ class Catalog(Generic[V]):
 
     def lookup(self, args: Sequence[Any]) -> V:
         """The entry for ``args``; :class:`CatalogMiss` naming the nearest class's difference otherwise."""
+        return self.find(args)[1]
+
+    def find(self, args: Sequence[Any]) -> tuple[tuple[ArgKey, ...], V]:
+        """``(key, entry)`` for ``args``: the key also selects the same class in a catalog of another lane."""
         key = self.key(args)
         hit = self._table.get(key)
         if hit is None:
             raise CatalogMiss(self.explain(key))
-        return hit
+        return key, hit
 
     def explain(self, key: tuple[ArgKey, ...]) -> str:
         """Why ``key`` misses: each difference from the nearest class, by argument name."""

@@ -52,10 +52,13 @@ class Lane:
     resident: Any = None  # the session whose state is in this lane's buffers as returned (no copy)
     scratch: list[torch.Tensor] = field(default_factory=list)  # module buffers the graphs write, this lane's copies
 
+    def __post_init__(self) -> None:
+        # fixed once the lane is built: checked on every session call's outputs
+        self._written = self.state.owned_storages() | {s.untyped_storage().data_ptr() for s in self.scratch}
+
     def writes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` views storage this lane's calls write (regions, workspaces, scratch)."""
-        ptr = t.untyped_storage().data_ptr()
-        return ptr in self.state.owned_storages() or any(ptr == s.untyped_storage().data_ptr() for s in self.scratch)
+        return t.untyped_storage().data_ptr() in self._written
 
     @contextmanager
     def on_stream(self) -> Iterator[None]:

@@ -31,7 +31,7 @@ class SessionHost(Protocol):
 
     def new_region_buffers(self) -> dict[str, torch.Tensor]: ...
     def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]: ...
-    def lookup(self, flat: Sequence[Any]) -> Entry: ...
+    def lookup(self, flat: Sequence[Any]) -> tuple[tuple, Entry]: ...
     def check_entry(self, entry: Entry) -> None: ...
     def input_index(self, region: str) -> int: ...
     def region_sites(self) -> dict[str, RegionSite]: ...
@@ -82,18 +82,17 @@ class Session:
                 raise SessionClosed(f"session {self.name!r} is closed")
             flat = self.program.flatten_inputs(args, kwargs)
             sources: dict[str, torch.Tensor] = {}
-            entry = self.program.lookup(flat)
+            key, entry = self.program.lookup(flat)
             for name, site in entry.sites.items():
                 sources[name] = self._source(name, flat[self.program.input_index(name)], site)
             with self.program.lanes.take(prefer_unoccupied=True) as lane:
-                out = self._run_on(lane, flat, sources)
+                out = self._run_on(lane, lane.catalog[key], flat, sources)
             self.calls += 1
             return out
 
-    def _run_on(self, lane: Lane, flat: list[Any], sources: dict[str, torch.Tensor]) -> Any:
+    def _run_on(self, lane: Lane, entry: Entry, flat: list[Any], sources: dict[str, torch.Tensor]) -> Any:
         program = self.program
         program.evict(lane)
-        entry = lane.catalog.lookup(flat)
         program.check_entry(entry)
         cuda = any(b.is_cuda for b in self._buffers.values())
         with lane.on_stream(), torch.no_grad():
