@@ -1,12 +1,31 @@
-"""Plot latency percentiles against conversations per GPU from a cadence JSON (benchmarks/cadence.py).
+"""Plot chunk latency against concurrent conversations from a cadence JSON (benchmarks/cadence.py).
 
     python benchmarks/plot_cadence.py docs/results/cadence-h200.json docs/results/cadence-h200.png
+
+One line per (cell, GPU count): p99 solid, p50 dashed in the same colour; rows with misses are
+annotated; the horizontal line is the 1 s deadline (one chunk of audio). Rows without a ``gpus``
+field (reports written before multi-GPU placement) count as one GPU.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+
+LABELS = {"SRc": "cadence_fx SRc sessions", "stock": "stock driver, one process per session"}
+COLORS = {("SRc", 1): "tab:blue", ("SRc", 2): "tab:green", ("stock", 1): "tab:gray", ("stock", 2): "tab:brown"}
+SPARE = ["tab:purple", "tab:olive", "tab:cyan", "tab:pink", "tab:orange"]
+
+
+def series(rows: list[dict]) -> dict[tuple[str, int], list[tuple]]:
+    """(cell, gpus) -> sorted [(n_sessions, p50_ms, p99_ms, misses, bitexact)] of the rows that ran."""
+    out: dict[tuple[str, int], list[tuple]] = {}
+    for r in rows:
+        if "error" in r or r.get("p99_ms") is None:
+            continue
+        key = (r.get("cell") or r.get("name"), int(r.get("gpus") or 1))
+        out.setdefault(key, []).append((r["n_sessions"], r["p50_ms"], r["p99_ms"], r["misses"], r.get("bitexact")))
+    return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 def main(src: str, dst: str) -> None:
@@ -17,24 +36,27 @@ def main(src: str, dst: str) -> None:
 
     data = json.load(open(src))
     rows = data["rows"] if isinstance(data, dict) else data
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for cell, color in (("SRc", "tab:blue"), ("stock", "tab:gray")):
-        pts = sorted((r["n_sessions"], r["p50_ms"], r["p99_ms"], r["misses"]) for r in rows
-                     if r.get("name") == cell and "error" not in r)
-        if not pts:
-            continue
+    period_ms = 1e3 * (data.get("period_s", 1.0) if isinstance(data, dict) else 1.0)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    spare = iter(SPARE)
+    for (cell, gpus), pts in series(rows).items():
+        color = COLORS.get((cell, gpus)) or next(spare, "black")
         n = [p[0] for p in pts]
-        label = "cadence_fx SRc sessions" if cell == "SRc" else "stock driver, one process per session"
+        label = f"{LABELS.get(cell, cell)}, {gpus} GPU{'s' if gpus > 1 else ''}"
         ax.plot(n, [p[2] for p in pts], "o-", color=color, label=f"{label}: p99")
-        ax.plot(n, [p[1] for p in pts], "o--", color=color, alpha=0.6, label=f"{label}: p50")
-        for x, _p50, p99, miss in pts:
-            if miss:
-                ax.annotate(f"{miss} misses", (x, p99), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.axhline(1000, color="tab:red", lw=1, label="1 s budget (one chunk of audio)")
+        ax.plot(n, [p[1] for p in pts], "o--", color=color, alpha=0.5, label=f"{label}: p50")
+        for x, _p50, p99, miss, exact in pts:
+            note = ", ".join(s for s in (f"{miss} misses" if miss else "", "NOT EXACT" if exact is False else "") if s)
+            if note:
+                ax.annotate(note, (x, p99), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+    ax.axhline(period_ms, color="tab:red", lw=1, label=f"{period_ms / 1e3:g} s deadline (one chunk of audio)")
     ax.set_yscale("log")
-    ax.set_xlabel("concurrent conversations on one H200 (Token2Wav, fp32, released sizes)")
+    device = data.get("device") if isinstance(data, dict) else None
+    dtype = data.get("dtype", "float32") if isinstance(data, dict) else "float32"
+    model = "demo decoder (smoke run)" if isinstance(data, dict) and data.get("model") == "demo" else "Token2Wav"
+    ax.set_xlabel(f"concurrent conversations ({model}, {dtype}{', ' + device if device else ''})")
     ax.set_ylabel("chunk latency, arrival to PCM on host (ms)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=6.5, loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(dst, dpi=120)

@@ -4,7 +4,10 @@
 #   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process
 #   LANES=2 scripts/gpu.sh cells B0,SRc/B0,S   two lanes side by side, one GPU each (nvidia-h200-x2)
 #   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py)
-# Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run).
+#   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 16,17,18/32,34,36 --join-live --time-budget 540
+#                                      the same on one GPU and on two (nvidia-h200-x2), one process per GPU
+# Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run),
+# cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -18,6 +21,7 @@ case "${1:-}" in
   tests) python3 -m pytest -q -m cuda tests/ -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu-tests.log" ;;
   cells) python3 benchmarks/token2wav.py --blocks 4 --chunks 24 --lanes "${LANES:-1}" --cells "$2" --rows "$OUT/rows.jsonl" \
            --json "$OUT/token2wav-partial.json" 2>&1 | tee -a "$OUT/bench.log" ;;
-  cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" "$@" 2>&1 | tee -a "$OUT/cadence.log" ;;
+  cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" --rows "$OUT/cadence-rows.jsonl" "$@" 2>&1 \
+             | tee -a "$OUT/cadence.log" ;;
   *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | cadence [benchmarks/cadence.py flags]" >&2; exit 2 ;;
 esac

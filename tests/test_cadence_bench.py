@@ -1,0 +1,120 @@
+"""benchmarks/cadence.py: placement on several GPUs, the shared t0, the merge of per-GPU parts, the gate.
+
+The process test runs the real multi-process layout on the CPU: two "GPUs" are two worker processes
+(and the stock cell's processes are pinned round robin to them), with the small demo decoder and a
+0.5 s chunk period so that it takes seconds, not minutes. It checks what the coordinator builds from
+what the processes send back, not any timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import cadence  # noqa: E402
+
+
+# --------------------------------------------------------------------------- pure pieces
+def test_union_of_kernel_intervals_counts_overlaps_once():
+    assert cadence.union_length([]) == 0
+    assert cadence.union_length([(0, 10), (5, 15), (20, 30), (30, 31), (2, 3)]) == 26
+    # two lanes fully overlapping: busy half the window, not all of it
+    assert cadence.busy_fraction([(0, 50), (0, 50)], 100) == 0.5
+    # queued work that runs past the window: the span is the denominator
+    assert cadence.busy_fraction([(0, 150)], 100) == 1.0
+    assert cadence.busy_fraction([], 100) == 0.0
+    # clipped to the window [50, 150): what ran before or after it does not count
+    assert cadence.busy_fraction([(0, 50), (90, 200), (100, 120)], 100, clip=(50, 150)) == 0.6
+
+
+def test_session_lists_per_gpu_count():
+    assert cadence.per_gpu_lists("16,17,18/32,34,36", [1, 2]) == {1: [16, 17, 18], 2: [32, 34, 36]}
+    assert cadence.per_gpu_lists("16,18", [1, 2]) == {1: [16, 18], 2: [32, 36]}
+    assert cadence.per_gpu_lists("32", [2]) == {2: [32]}
+    assert cadence.per_gpu_lists("/2", [1, 2]) == {1: [], 2: [2]}
+    with pytest.raises(SystemExit):
+        cadence.per_gpu_lists("1/2/3", [1, 2])
+
+
+def _part(gpu, sessions, chunks, lat_s, sha, joins=(), peak=100.0, busy=None):
+    recs = [[i, k, i * 0.1 + k, i * 0.1 + k + lat_s.get((i, k), 0.05)] for i in sessions for k in range(chunks)]
+    return dict(gpu=gpu, records=recs, sha={str(i): sha[i] for i in sessions}, joins=list(joins), peak_mib=peak,
+                busy_fraction=busy)
+
+
+def test_merge_pools_every_gpu_and_gates_each_session_against_its_script():
+    solo = {0: "a", 1: "b"}
+    sha = {0: "a", 1: "b", 2: "a", 3: "b"}
+    late = {(1, 2): 1.5, (2, 0): 1.2}  # session 1's chunk 2 (gpu 1), session 2's first chunk (gpu 0)
+    # session 2 joins live at t=0.2 on gpu 0; session 0's chunk 1 arrives at 1.0, inside its second
+    late[(0, 1)] = 2.0
+    parts = [_part(0, [0, 2], 3, late, sha, joins=[[2, 0.2, 3.0]], peak=100.0, busy=0.5),
+             _part(1, [1, 3], 3, late, sha, peak=120.0, busy=0.7)]
+    row = cadence.merge_row("SRc", 2, 4, parts, solo, scripts=2, period=1.0, chunks=3)
+    assert row["chunks"] == 12 and row["misses"] == 3 and row["bitexact"] is True
+    assert row["peak_mib"] == 220.0 and row["busy_fraction"] == pytest.approx(0.6)
+    assert [g["sessions"] for g in row["per_gpu"]] == [2, 2]
+    assert [g["misses"] for g in row["per_gpu"]] == [2, 1]
+    assert row["join_p50_ms"] == 3.0 and row["join_max_ms"] == 3.0
+    assert row["join_window_misses"] == 1  # session 0's chunk 1; the joiner's own late chunk does not count
+    # a wrong digest, or a missing chunk, is not exact
+    bad = {**sha, 3: "x"}
+    parts_bad = [_part(0, [0, 2], 3, {}, bad), _part(1, [1, 3], 3, {}, bad)]
+    assert cadence.merge_row("SRc", 2, 4, parts_bad, solo, 2, 1.0, 3)["bitexact"] is False
+    short = [_part(0, [0, 2], 3, {}, sha), _part(1, [1, 3], 2, {}, sha)]
+    assert cadence.merge_row("SRc", 2, 4, short, solo, 2, 1.0, 3)["bitexact"] is False
+
+
+def test_limits_and_ratio():
+    rows = [dict(cell="SRc", gpus=1, n_sessions=n, misses=m, bitexact=True) for n, m in ((16, 0), (17, 0), (18, 4))]
+    rows += [dict(cell="SRc", gpus=2, n_sessions=n, misses=m, bitexact=True) for n, m in ((32, 0), (34, 0), (36, 9))]
+    lim = cadence.limits(rows)["SRc"]
+    assert lim["1"] == dict(largest_n_no_miss=17, smallest_n_with_misses=18)
+    assert lim["2"]["largest_n_no_miss"] == 34 and lim["ratio"]["largest_over_one"] == pytest.approx(2.0)
+
+
+def test_dtype_hook_fails_clearly_or_passes_through():
+    assert cadence.dtype_hook("float32") == {}
+    try:
+        kw = cadence.dtype_hook("float16")
+    except SystemExit as e:
+        assert "float16" in str(e) and "build_step" in str(e)
+    else:
+        assert kw in ({"float16": True}, {"dtype": __import__("torch").float16})
+
+
+# --------------------------------------------------------------------------- the process layout
+def test_two_fake_gpus_one_process_each(tmp_path):
+    out = tmp_path / "cadence.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc,stock",
+           "--gpus", "1,2", "--sessions", "2/4", "--stock-sessions", "/2", "--seconds", "1.5", "--period", "0.5",
+           "--lanes", "2", "--scripts", "2", "--join-live", "--lead", "1", "--json", str(out),
+           "--rows", str(tmp_path / "rows.jsonl")]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU layout, also on a GPU host
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    rows = {(r["cell"], r["gpus"], r["n_sessions"]): r for r in rep["rows"]}
+    assert set(rows) == {("SRc", 1, 2), ("SRc", 2, 4), ("stock", 2, 2)}, rep["rows"]
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
+    assert rep["chunks_per_session"] == 3 and set(rep["solo_sha"]) == {"0", "1"}
+    for (cell, g, n), r in rows.items():
+        assert "error" not in r
+        assert r["bitexact"] is True, (cell, g, n)
+        assert r["chunks"] == n * 3
+        # sessions placed round robin: gpu j serves sessions j, j+g, ...; every session's bytes are its script's
+        assert [p["sessions"] for p in r["per_gpu"]] == [len(range(j, n, g)) for j in range(g)]
+        assert sum(p["chunks"] for p in r["per_gpu"]) == r["chunks"]
+        assert all(r["session_sha"][str(i)] == rep["solo_sha"][str(i % 2)] for i in range(n))
+    # the live joins were measured in the SRc rows, one per session
+    assert rows[("SRc", 2, 4)]["join_max_ms"] is not None and rows[("SRc", 2, 4)]["join_window_misses"] is not None
+    assert rows[("stock", 2, 2)]["script_sha"] == {"0": [rep["solo_sha"]["0"]], "1": [rep["solo_sha"]["1"]]}
+    assert set(rep["limits"]["SRc"]) >= {"1", "2"}
