@@ -1,0 +1,197 @@
+"""The Moshi stack (``moshi`` 0.2.13 from PyPI, random weights, reduced sizes) under cadence_fx, on the CPU.
+
+One full-duplex stream per test: Mimi encodes the user's audio, ``LMGen`` samples the text token and
+the model's audio codes, Mimi decodes them. The reference is the stock code as shipped (each module
+keeping its own streaming state, ``LMGen.step`` returning ``None`` on the first frame); every
+other run must produce the same bytes (SHA-256 over every frame's tokens and PCM, and
+``torch.equal`` frame by frame). The temporal transformer's ring holds 4 frames and Mimi's 3, so a
+stream of 8 frames wraps every ring (Mimi's twice).
+
+The upstream package is found under ``$CADENCE_FX_UPSTREAM/moshi-0.2.13`` (``pip install --no-deps
+--target``, see scripts/test.sh) or as an installed ``moshi``; the tests skip when neither exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+import cadence_fx as cf
+from cadence_fx.adapters import moshi as mo
+from cadence_fx.adapters.streaming import CatalogReference, export_step_catalog
+from cadence_fx.determinism import sha256_tensors
+from cadence_fx.replay import FakeBackend
+
+pytestmark = pytest.mark.upstream
+
+FRAMES = 8
+NAMES = ("encode", "lm", "decode")
+
+
+def _upstream() -> types.SimpleNamespace:
+    try:
+        return mo.load_moshi()
+    except mo.UpstreamNotFound as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """The reduced stack, its exported programs (one class per step) and the stock stream's frames."""
+    up = _upstream()
+    cfg = mo.MoshiConfig.reduced()
+    steps = mo.build_steps(up, cfg)
+    pcm = mo.user_audio(FRAMES, seed=1)
+    contracts = {n: mo.moshi_contract(getattr(steps, n)) for n in NAMES}
+    examples = steps.examples()
+    eps = {n: export_step_catalog(getattr(steps, n), getattr(steps, n).initial_state(), [{"x": examples[n]}],
+                                  contracts[n]) for n in NAMES}
+    torch.manual_seed(3)
+    stock = mo.stock_stream(steps, steps.initial_state(), pcm)
+    return types.SimpleNamespace(up=up, cfg=cfg, steps=steps, pcm=pcm, contracts=contracts, eps=eps,
+                                 examples=examples, stock=stock)
+
+
+def _sha(frames: list[mo.Frame]) -> str:
+    return sha256_tensors([t for f in frames for t in f.tensors()])
+
+
+def _assert_same(frames: list[mo.Frame], ref: list[mo.Frame], what: str) -> None:
+    assert len(frames) == len(ref)
+    for k, (f, r) in enumerate(zip(frames, ref)):
+        assert torch.equal(f.tokens, r.tokens), f"{what}: frame {k} tokens differ"
+        assert (f.pcm is None) == (r.pcm is None), f"{what}: frame {k} has PCM on one side only"
+        assert f.pcm is None or torch.equal(f.pcm, r.pcm), f"{what}: frame {k} PCM differs"
+    assert _sha(frames) == _sha(ref), what
+
+
+def test_stock_stream_emits_tokens_and_audio_after_the_delay(stack):
+    first, later = stack.stock[0], stack.stock[1:]
+    assert first.pcm is None and bool((first.tokens == -2).all())  # LMGen.step returned None
+    assert all(f.pcm is not None and f.pcm.shape == (1, 1, 1920) and bool((f.tokens >= 0).all()) for f in later)
+    assert len({tuple(f.tokens.flatten().tolist()) for f in later}) > 1  # sampling: frames differ
+    kv = [s for s in stack.steps.lm.slots if s.field == "kv_cache"]
+    assert kv and all(s.get().shape[3] == 4 for s in kv)  # the ring the stream wraps
+
+
+def test_exported_programs_are_the_stock_stream(stack):
+    """The steps as exported (state passed in and out, ``LMGen``'s host-side ``None`` replaced by its
+    device mask) compute the stream the upstream objects compute with their own state."""
+    ref = {n: CatalogReference(stack.eps[n]) for n in NAMES}
+    torch.manual_seed(3)
+    _assert_same(mo.step_stream(stack.steps, ref, stack.steps.initial_state(), stack.pcm), stack.stock, "exported")
+
+
+@pytest.fixture(scope="module")
+def progs_off(stack) -> dict[str, cf.OptimizedProgram]:
+    """The state rule, no replay (the S cell): shared by the tests that stream from a foreign initial state."""
+    return _optimize(stack, "off")
+
+
+def _optimize(stack, replay, **kw) -> dict[str, cf.OptimizedProgram]:
+    progs = {n: cf.optimize(stack.eps[n], stack.contracts[n], replay=replay, **kw) for n in NAMES}
+    if replay != "off":
+        for n, p in progs.items():
+            step = getattr(stack.steps, n)
+            p.warmup(*step.next_args({"x": stack.examples[n]}, step.initial_state()))
+    return progs
+
+
+@pytest.mark.parametrize("replay", ["off", "fake"])
+def test_optimized_stream_is_bit_exact_with_rings_in_place(stack, progs_off, replay):
+    progs = _optimize(stack, FakeBackend()) if replay == "fake" else progs_off
+    before = {n: p.stats["state_in_place"] for n, p in progs.items()}
+    torch.manual_seed(3)
+    got = mo.step_stream(stack.steps, progs, stack.steps.initial_state(), stack.pcm)
+    _assert_same(got, stack.stock, f"optimized ({replay})")
+    for n in NAMES:
+        prog, step = progs[n], getattr(stack.steps, n)
+        calls = FRAMES - (stack.steps.max_delay if n == "decode" else 0)
+        regions = len(stack.contracts[n].regions)
+        # every region but the first call's was the state the previous call returned, used in place
+        assert prog.stats["state_in_place"] - before[n] == regions * (calls - 1), n
+        # a ring the model writes in place costs no copy into its buffer; only LMGen's frame
+        # counter (replaced by torch.where, 8 bytes) is written into its buffer by retention_in_place
+        assert prog.stats["passes"].get("retention_in_place", 0) == (1 if n == "lm" else 0), n
+        assert {r.name for r in stack.contracts[n].regions} <= {s.name for s in step.slots}
+    if replay == "fake":
+        c = {n: p.counters() for n, p in progs.items()}
+        assert c["decode"]["replays"] == FRAMES - stack.steps.max_delay and c["decode"]["eager"] == 0
+        assert c["encode"]["replays"] == FRAMES and c["encode"]["eager"] == 0
+        # the LM samples on the host generator here (CPU): its replay is refused, fail-closed, and it runs eagerly
+        assert c["lm"]["replays"] == 0 and c["lm"]["rejections"] == {"host_randomness": FRAMES}
+
+
+def test_state_outputs_are_views_of_the_region_buffers(stack, progs_off):
+    step = stack.steps.lm
+    prog = progs_off["lm"]
+    state = step.initial_state()
+    torch.manual_seed(3)
+    for k in range(6):  # 6 frames: the 4-frame ring wraps
+        out = prog(*step.next_args({"x": stack.examples["lm"]}, state))
+        state = step.carry(out)
+        for r in stack.contracts["lm"].regions:
+            t = state[r.input]
+            assert t.untyped_storage().data_ptr() == prog.region_buffers[r.name].untyped_storage().data_ptr(), r.name
+    stale = dict(state)
+    prog(*step.next_args({"x": stack.examples["lm"]}, state))
+    with pytest.raises(cf.StaleState):  # a state kept from an older call was overwritten since
+        prog(*step.next_args({"x": stack.examples["lm"]}, stale))
+
+
+def test_two_sessions_interleaved_are_each_their_own_solo_run(stack, progs_off):
+    progs = progs_off
+    seeds = (11, 12)
+    pcm = {s: mo.user_audio(6, seed=s) for s in seeds}
+    sessions = {s: {n: progs[n].session(f"{n}-{s}", seed=s) for n in NAMES} for s in seeds}
+    state = {s: stack.steps.initial_state() for s in seeds}
+    got: dict[int, list[mo.Frame]] = {s: [] for s in seeds}
+    with torch.no_grad():
+        for k in range(6):
+            for s in seeds:  # one frame of each conversation in turn
+                f = mo.step_frame(stack.steps, sessions[s], state[s], pcm[s][k], k)
+                got[s].append(mo.Frame(f.tokens.clone(), None if f.pcm is None else f.pcm.clone()))
+    for s in seeds:
+        torch.manual_seed(s)
+        solo = mo.stock_stream(stack.steps, stack.steps.initial_state(), pcm[s])
+        _assert_same(got[s], solo, f"session {s}")
+    assert _sha(got[seeds[0]]) != _sha(got[seeds[1]])
+
+
+def test_a_state_field_the_adapter_does_not_know_is_refused(stack):
+    up = stack.up
+
+    @dataclasses.dataclass
+    class _Extra(up.streaming.State):
+        memory: torch.Tensor = None
+
+    class Extra(up.streaming.StreamingModule):
+        def _init_streaming_state(self, batch_size: int):
+            return _Extra(batch_size, torch.device("cpu"), memory=torch.zeros(batch_size, 4))
+
+    mod = Extra()
+    with mod.streaming(1):
+        with pytest.raises(mo.UnsupportedState, match=r"_Extra.memory"):
+            mo.state_slots(mod, up)
+
+
+def test_contract_declares_rings_counters_and_conv_contexts(stack):
+    lm = {r.name: r for r in stack.contracts["lm"].regions}
+    ring = lm["lm_model.transformer.layers.0.self_attn.kv_cache"]
+    assert (ring.axis, ring.order, ring.retention, ring.initial) == (3, None, cf.Ring(4), 4)
+    assert lm["tokens"].retention == cf.Ring(3) and lm["offsets"].axis == 0
+    dec = {r.name: r for r in stack.contracts["decode"].regions}
+    convs = [r for r in dec.values() if r.name.endswith(".previous")]
+    assert convs and all(r.order == "old_new" for r in convs)
+    enc = {r.name: r for r in stack.contracts["encode"].regions}
+    assert enc["downsample.conv.previous"].order is None  # written in place before it is concatenated
+    assert "downsample.conv.first" not in enc  # a bool flag: a plain input and output (see contracts.py)
+
+
+def test_another_moshi_release_is_refused():
+    _upstream()
+    with pytest.raises(RuntimeError, match=r"written against moshi 9\.9"):
+        mo.load_moshi(version="9.9")
