@@ -28,7 +28,9 @@ Cells, in one run:
   GPU; worker threads (one per lane) serve the due chunks earliest first. One long-lived worker
   process per GPU builds the model from the benchmark seed (so every GPU holds the same weights),
   exports the catalog and optimizes it once, in parallel with the others, then serves one N after
-  another.
+  another. ``--pack`` runs rows that need fewer GPUs than there are side by side on disjoint GPUs
+  (two one-GPU rows at once with ``--gpus 1,2``; ``concurrent_n`` names the neighbour row): each row
+  still has its GPUs to itself, the host's CPUs are shared, as they are in the two-GPU rows.
 - ``stock``: the stock driver as it ships serves one conversation per model instance: one process per
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
@@ -366,6 +368,9 @@ def run_worker(args) -> None:
     first = bench.step.fresh(1, bench.spk)[0]
     warm = prog.warmup(*[first.get(n) for n in bench.step.inputs])["seconds"]
     if device == "cuda" and args.busy_window > 0:
+        # CUPTI torn down and set up again beside CUDA graphs can crash (torch.profiler turns teardown
+        # off itself when it knows graphs are in use: here it cannot know), and every N opens a window
+        os.environ.setdefault("TEARDOWN_CUPTI", "0")
         BusyWindow.warm()
     say(dict(ready=True, gpu=args.worker, device=_device_name(device), build_s=build_s, export_s=export_s,
              optimize_s=optimize_s, warmup_s=warm, lanes=len(prog.lanes.lanes),
@@ -397,7 +402,7 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     records: list[list[float]] = []
     due = [(base + i * period / n, i, 0) for i in mine]
     heapq.heapify(due)
-    late_start = time.perf_counter() - base
+    late_start = max(0.0, time.perf_counter() - base)  # ready after t0: the first arrivals wait for it
     cond = threading.Condition()
     done = [0]
     total = len(mine) * chunks
@@ -623,28 +628,40 @@ class Run:
         self.device = self.device or ready[0]["device"]
         self.meta["SRc"] = dict(workers=ready)
         for g in gpus:
-            for n in sessions[g]:
-                if self.over_budget("SRc", g, n, a.seconds + a.lead + 15):
+            todo = list(sessions[g])
+            width = max(1, len(workers) // g) if a.pack else 1  # --pack: several g-GPU runs side by side
+            while todo:
+                batch, todo = todo[:width], todo[width:]
+                if self.over_budget("SRc", g, batch[0], a.seconds + a.lead + 15):
                     break
                 t0 = time.time() + a.lead
-                nvml = self._nvml(g, t0)
-                for w in workers[:g]:
-                    w.send(dict(cmd="serve", n=n, sessions=[i for i in range(n) if i % g == w.g], t0=t0,
-                                period=a.period, chunks=self.chunks, scripts=a.scripts, join_live=a.join_live,
-                                busy_window=a.busy_window))
-                parts = [w.receive() for w in workers[:g]]
-                nvml.stop_at = 0
-                row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
-                row.update(nvml.result(), lanes=a.lanes, join_live=a.join_live,
-                           per_session_mib=next((p["per_session_mib"] for p in parts if p["per_session_mib"]), None),
-                           late_start_s=max(p["late_start_s"] for p in parts), counters=[p["counters"] for p in parts],
-                           census_mib=parts[0]["census_mib"])
-                self.add(row)
-                if row["misses"] and not a.full_sweep:
+                groups = [workers[j * g:(j + 1) * g] for j in range(len(batch))]
+                samplers = [self._nvml([w.g for w in grp], t0) for grp in groups]
+                for n, grp in zip(batch, groups):
+                    for j, w in enumerate(grp):
+                        w.send(dict(cmd="serve", n=n, sessions=[i for i in range(n) if i % g == j], t0=t0,
+                                    period=a.period, chunks=self.chunks, scripts=a.scripts, join_live=a.join_live,
+                                    busy_window=a.busy_window))
+                rows = []
+                for n, grp, nvml in zip(batch, groups, samplers):
+                    parts = [w.receive() for w in grp]
+                    nvml.stop_at = 0
+                    row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
+                    row.update(nvml.result(), lanes=a.lanes, join_live=a.join_live, gpu_ids=[w.g for w in grp],
+                               concurrent_n=[m for m in batch if m != n] if len(batch) > 1 else None,
+                               per_session_mib=next((p["per_session_mib"] for p in parts if p["per_session_mib"]),
+                                                    None),
+                               late_start_s=max(p["late_start_s"] for p in parts),
+                               counters=[p["counters"] for p in parts], census_mib=parts[0]["census_mib"])
+                    rows.append(row)
+                for row in rows:
+                    self.add(row)
+                if any(r["misses"] for r in rows) and not a.full_sweep:
                     break
 
-    def _nvml(self, g: int, t0: float) -> NvmlSampler:
-        s = NvmlSampler(self.visible[:g])
+    def _nvml(self, gpus: list[int], t0: float) -> NvmlSampler:
+        """NVML samples of the given GPUs (worker indices) from a second after t0, until stopped."""
+        s = NvmlSampler([self.visible[g] for g in gpus] if self.visible else [])
         s.start_at = t0 + 1.0
         if self.visible:
             s.start()
@@ -679,7 +696,7 @@ class Run:
                     break
                 time.sleep(0.2)
             t0 = time.time() + a.lead
-            nvml = self._nvml(g, t0)
+            nvml = self._nvml(list(range(g)), t0)
             (tmp / "go.tmp").write_text(repr(t0))
             os.replace(tmp / "go.tmp", go)  # whole, or not there
             for p in procs:
@@ -855,6 +872,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0, help="serving threads per GPU (default: one per lane)")
     ap.add_argument("--scripts", type=int, default=4)
     ap.add_argument("--full-sweep", action="store_true", help="keep sweeping N after the first misses")
+    ap.add_argument("--pack", action="store_true",
+                    help="SRc: run the rows of a GPU count below the largest side by side on disjoint GPUs (with "
+                         "--gpus 1,2: two one-GPU rows at once; each row still has its GPUs to itself, the host is "
+                         "shared, as in the two-GPU rows)")
     ap.add_argument("--join-live", action="store_true",
                     help="each session joins when its first chunk arrives (during the others' traffic)")
     ap.add_argument("--busy-window", type=float, default=2.0,

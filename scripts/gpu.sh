@@ -4,7 +4,9 @@
 #   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process
 #   LANES=2 scripts/gpu.sh cells B0,SRc/B0,S   two lanes side by side, one GPU each (nvidia-h200-x2)
 #   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py)
-#   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 16,17,18/32,34,36 --join-live --time-budget 540
+#   scripts/gpu.sh cold [--chunks 4]   cold start: export, optimize, save, then load + capture + first chunk
+#                                      in a fresh process (benchmarks/cold_start.py), about 3 minutes
+#   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 16,17,18/32,34,36 --pack --join-live --time-budget 560
 #                                      the same on one GPU and on two (nvidia-h200-x2), one process per GPU
 # Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run),
 # cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log.

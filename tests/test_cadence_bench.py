@@ -1,7 +1,8 @@
 """benchmarks/cadence.py: placement on several GPUs, the shared t0, the merge of per-GPU parts, the gate.
 
 The process test runs the real multi-process layout on the CPU: two "GPUs" are two worker processes
-(and the stock cell's processes are pinned round robin to them), with the small demo decoder and a
+(the two one-GPU rows run side by side on them, ``--pack``, and the stock cell's processes are pinned
+round robin to them), with the small demo decoder and a
 0.5 s chunk period so that it takes seconds, not minutes. It checks what the coordinator builds from
 what the processes send back, not any timing.
 """
@@ -95,7 +96,7 @@ def test_dtype_hook_fails_clearly_or_passes_through():
 def test_two_fake_gpus_one_process_each(tmp_path):
     out = tmp_path / "cadence.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc,stock",
-           "--gpus", "1,2", "--sessions", "2/4", "--stock-sessions", "/2", "--seconds", "1.5", "--period", "0.5",
+           "--gpus", "1,2", "--sessions", "2,3/4", "--pack", "--stock-sessions", "/2", "--seconds", "1.5", "--period", "0.5",
            "--lanes", "2", "--scripts", "2", "--join-live", "--lead", "1", "--json", str(out),
            "--rows", str(tmp_path / "rows.jsonl")]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU layout, also on a GPU host
@@ -103,8 +104,12 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     rows = {(r["cell"], r["gpus"], r["n_sessions"]): r for r in rep["rows"]}
-    assert set(rows) == {("SRc", 1, 2), ("SRc", 2, 4), ("stock", 2, 2)}, rep["rows"]
-    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
+    assert set(rows) == {("SRc", 1, 2), ("SRc", 1, 3), ("SRc", 2, 4), ("stock", 2, 2)}, rep["rows"]
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 4
+    # --pack: the two one-GPU rows ran at once, one on each worker
+    assert rows[("SRc", 1, 2)]["concurrent_n"] == [3] and rows[("SRc", 1, 3)]["concurrent_n"] == [2]
+    assert rows[("SRc", 1, 2)]["gpu_ids"] == [0] and rows[("SRc", 1, 3)]["gpu_ids"] == [1]
+    assert rows[("SRc", 2, 4)]["gpu_ids"] == [0, 1] and rows[("SRc", 2, 4)]["concurrent_n"] is None
     assert rep["chunks_per_session"] == 3 and set(rep["solo_sha"]) == {"0", "1"}
     for (cell, g, n), r in rows.items():
         assert "error" not in r
