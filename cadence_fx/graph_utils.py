@@ -207,3 +207,116 @@ def _narrow(user: Node, view: _View) -> tuple[_View | None, tuple]:
     new.length[od] = e - s
     return new, args
 
+
+
+# ------------------------------------------------------------------ state bytes written per call
+
+#: ATen ops that only move data (no arithmetic): what building a region's outgoing state costs.
+_MOVES = {"cat", "clone", "contiguous", "copy", "_to_copy", "index_copy", "scatter", "index_put", "index_fill",
+          "slice_scatter", "select_scatter", "stack", "narrow_copy", "index_select", "constant_pad_nd"}
+
+
+def storage_root(node: object) -> Node | None:
+    """The node whose storage ``node`` lives in: through views and through in-place ops' returns."""
+    while True:
+        root = view_root(node)
+        written = written_in_place(root)
+        if written is root:
+            return root
+        node = written
+
+
+def _meta_val(node: object, cache: dict[Node, object]) -> object:
+    """``node``'s value as a meta tensor: its recorded ``val``, else computed on the meta device (the
+    views and copies the passes insert carry no ``val``)."""
+    if not isinstance(node, Node):
+        return node
+    if node in cache:
+        return cache[node]
+    val = node.meta.get("val")
+    if val is None and node.op == "get_attr":
+        t = getattr(node.graph.owning_module, str(node.target), None)
+        val = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") \
+            if isinstance(t, torch.Tensor) else None
+    elif val is None and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        args = torch.fx.node.map_aggregate(node.args, lambda a: _meta_val(a, cache))
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, lambda a: _meta_val(a, cache))
+        try:
+            with torch.no_grad():
+                val = node.target(*args, **kwargs)
+        except Exception:  # an op the meta device cannot run: its bytes are not counted
+            val = None
+    cache[node] = val
+    return val
+
+
+def _meta_shape(node: object, cache: dict) -> tuple[int, ...]:
+    val = _meta_val(node, cache)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def bytes_written(node: Node, cache: dict) -> int:
+    """Bytes an in-place ATen op writes (its first argument is the tensor written)."""
+    name = overload_name(node).rstrip("_")
+    args = node.args
+    val = _meta_val(args[0], cache)
+    if not isinstance(val, torch.Tensor):
+        return 0
+    size = val.element_size()
+    if name in ("index_copy", "index_fill"):  # (self, dim, index, src/value): every position the index names
+        rest = list(val.shape)
+        dim = args[1] % max(len(rest), 1)
+        rest[dim] = numel(_meta_shape(args[2], cache))
+        return numel(rest) * size
+    if name == "scatter":  # (self, dim, index, src/value): one element per index entry
+        return numel(_meta_shape(args[2], cache)) * size
+    if name == "index_put":  # (self, indices, values): the broadcast index shape times the dims not indexed
+        idx = [torch.Size(_meta_shape(i, cache)) for i in args[1] if i is not None]
+        indexed = torch.broadcast_shapes(*idx) if idx else ()
+        plain = [s for s, i in zip(val.shape, args[1]) if i is None] + list(val.shape[len(args[1]):])
+        return numel(indexed) * numel(plain) * size
+    return val.numel() * size  # copy_, fill_, zero_, ...: the whole (viewed) tensor
+
+
+def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object] | None = None) -> int:
+    """Bytes one call writes to build ``value`` (a region's outgoing state) by moving data.
+
+    Walks back from ``value`` through views, in-place writes into the storage it lives in, and data
+    movement ops (``_MOVES``: a cat, a clone, a functional index_copy ...), counting each op's
+    written bytes once: an allocating op its whole output, an in-place op the elements it writes.
+    Arithmetic (the projection of the new frames) is where the walk stops: it is compute, not state
+    traffic. ``aliases`` maps nodes that share one storage at run time (a region input and its
+    buffer's ``get_attr`` nodes) to one key. Identical for the stock and the rewritten graph, so the
+    two numbers compare like for like.
+    """
+    aliases = aliases or {}
+    cache: dict[Node, object] = {}
+    writers: dict[object, list[Node]] = {}
+    for n in graph.nodes:
+        if is_mutating(n) and n.args and isinstance(n.args[0], Node):
+            root = storage_root(n.args[0])
+            writers.setdefault(aliases.get(root, root), []).append(n)
+    total = 0
+    counted: set[Node] = set()
+    roots: set[object] = set()
+    stack = [value]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, Node):
+            continue
+        root = storage_root(n)
+        key = aliases.get(root, root)
+        if key not in roots:
+            roots.add(key)
+            for w in writers.get(key, ()):  # everything written into this storage
+                if w not in counted:
+                    counted.add(w)
+                    total += bytes_written(w, cache)
+                    stack.extend(a for a in w.args[1:] if isinstance(a, Node))
+        if root is not None and root.op == "call_function" and overload_name(root) in _MOVES and root not in counted:
+            counted.add(root)
+            val = _meta_val(root, cache)
+            total += val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+            for a in root.args:
+                stack.extend(a if isinstance(a, (list, tuple)) else [a])
+    return total

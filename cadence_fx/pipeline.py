@@ -16,12 +16,14 @@ from cadence_fx.passes.mark_randomness import mark_randomness
 from cadence_fx.passes.mark_replay import mark_replay
 from cadence_fx.passes.partition import partition
 from cadence_fx.passes.retention_in_place import retention_in_place
+from cadence_fx.passes.ring_in_place import ring_in_place
 from cadence_fx.passes.shrink_workspace import shrink_workspace
 
 PIPELINE = (
     inline_grad_regions,  # no_grad blocks inside the model -> plain code (the program never records grad)
     hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
     carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
+    ring_in_place,        # functional ring update (index_copy, scatter, ...) of a region -> in-place write of its buffer
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     partition,            # one sub-GraphModule per wrapped invocation

@@ -171,6 +171,23 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
     return Plan(tuple(regions), tuple(call_classes(contract)), tuple(contract.wrap), tuple(notes))
 
 
+def state_traffic(program) -> list[dict]:
+    """Per catalog class of an optimized program, the state bytes one call writes per region.
+
+    ``[{"class": {region: extent}, "regions": {region: {"stock": b, "optimized": b}}, "left_stock": [...]}]``:
+    ``stock`` for the unmodified program, ``optimized`` for the rewritten one, both counted from the graphs
+    by :func:`cadence_fx.graph_utils.state_bytes_written` (data movement into the outgoing state: the
+    bytes a cat, a functional index_copy or a copy into the region buffer writes; not the arithmetic that
+    computes the new positions). ``left_stock`` names state patterns a pass could not prove exact.
+    """
+    out = []
+    for _key, entry in program.catalog.items():
+        out.append({"class": {n: s.extent for n, s in entry.sites.items()},
+                    "regions": {n: dict(v) for n, v in entry.facts.state_bytes.items()},
+                    "left_stock": list(entry.facts.left_stock)})
+    return out
+
+
 def _with(shape: Sequence[int], axis: int, extent: int, live: dict[int, int] | object) -> tuple[int, ...]:
     out = list(shape)
     out[axis] = extent

@@ -16,8 +16,8 @@ from torch.fx import GraphModule, Node
 from cadence_fx.annotations import REGION_PREFIX
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
-from cadence_fx.graph_utils import (aten, cat_dim, flat_view, is_view, numel, overload_name, reach, register_tensor,
-                                    shape_of)
+from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_view, numel, overload_name, reach,
+                                    register_tensor, shape_of, state_bytes_written)
 from cadence_fx.passes import PassContext, RegionState
 
 # Views that keep the clock axis where it is or move it predictably.
@@ -30,6 +30,7 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     graph = gm.graph
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    record_state_bytes(gm, ctx, "stock")  # before any state pass: the unmodified program's traffic
     changed = 0
     for name, site in ctx.program.sites.items():
         region = site.region
@@ -94,6 +95,20 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
     graph.eliminate_dead_code()
     ctx.record("carry_writeback", changed)
     return gm
+
+
+def record_state_bytes(gm: GraphModule, ctx: PassContext, which: str) -> None:
+    """Per region, the bytes one call writes to build its outgoing state (``ProgramFacts.state_bytes``)."""
+    outs = flat_outputs(gm.graph)
+    aliases: dict = {}
+    for state in ctx.program.regions.values():  # the region input is a view of its buffer at run time
+        aliases[state.placeholder] = state.buffer_attr
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and n.target == state.buffer_attr:
+                aliases[n] = state.buffer_attr
+    for name, site in ctx.program.sites.items():
+        value = outs[site.region.output % len(outs)]
+        ctx.program.state_bytes.setdefault(name, {})[which] = state_bytes_written(gm.graph, value, aliases)
 
 
 def _cats_on_axis(ph: Node, axis: int) -> list[tuple[Node, int, int]]:

@@ -22,6 +22,7 @@ from cadence_fx.contract import ContractError, HeadTail, Ring
 from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_mutating, numel, output_node, overload_name,
                                     set_flat_output, shape_of, view_root, written_in_place)
 from cadence_fx.passes import PassContext
+from cadence_fx.passes.carry_writeback import record_state_bytes
 
 
 @dataclass
@@ -73,6 +74,9 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 in_place |= p.base is state.carry and state.carry is not None and p.src_offset == p.dst_offset
                 if in_place:
                     continue
+                if _shift_in_place(p, site, state):  # moved within the buffer in Phase 2, chunk by chunk
+                    staged.append((p, None))
+                    continue
                 src = p.src
                 for d, n in site.live:  # dead stock capacity is not part of the state
                     src = graph.call_function(aten.narrow.default, (src, d, 0, n))
@@ -94,6 +98,9 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             inner = numel(out_shape[site.axis + 1:])
             leading = all(s == 1 for s in out_shape[: site.axis])
             for p, src in staged:
+                if src is None:
+                    copies += _shift(graph, buf, p, inner)
+                    continue
                 pshape = list(out_shape)
                 pshape[site.axis] = p.length
                 if leading:
@@ -107,8 +114,41 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 graph.call_function(audit, (auditor_node(gm, ctx.config.auditor), name, "retention", dst, expected))
             set_flat_output(graph, site.region.output % len(outs), dst)
     graph.eliminate_dead_code()
+    record_state_bytes(gm, ctx, "optimized")
     ctx.record("retention_in_place", copies)
     return gm
+
+
+# A compaction that moves a part toward the front of its own buffer by ``shift`` positions is done as
+# copies of at most ``shift`` positions each, front first: each reads positions no earlier copy wrote
+# and writes none it reads, so no staging copy is needed and the call writes the part's bytes once
+# (the stock cat + slice writes them once too). Past this many copies, staging (two passes) is used.
+_MAX_SHIFT_COPIES = 16
+
+
+def _shift_in_place(p: _Part, site: RegionSite, state) -> bool:
+    """Whether part ``p`` is a slice of the region's own in-place carry moved toward the buffer front
+    along an outermost clock axis (flat offsets are positions x inner size) in few enough copies."""
+    if state.carry is None or p.base is not state.carry or site.live or p.src_offset is None:
+        return False
+    shift = p.src_offset - p.dst_offset
+    leading = all(s == 1 for s in site.out_shape[: site.axis])
+    return leading and shift > 0 and -(-p.length // shift) <= _MAX_SHIFT_COPIES
+
+
+def _shift(graph, buf: Node, p: _Part, inner: int) -> int:
+    """Emit the chunked move of part ``p`` from ``src_offset`` to ``dst_offset`` of the flat buffer."""
+    shift = p.src_offset - p.dst_offset
+    n = 0
+    for k in range(0, p.length, shift):
+        c = min(shift, p.length - k)
+        dst = graph.call_function(aten.slice.Tensor, (buf, 0, (p.dst_offset + k) * inner,
+                                                      (p.dst_offset + k + c) * inner))
+        src = graph.call_function(aten.slice.Tensor, (buf, 0, (p.src_offset + k) * inner,
+                                                      (p.src_offset + k + c) * inner))
+        graph.call_function(aten.copy_.default, (dst, src))
+        n += 1
+    return n
 
 
 def _writers(graph) -> dict[Node, list[Node]]:
@@ -154,6 +194,12 @@ def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
             "retention does not match the declaration")
     trims = not isinstance(pol, Ring) and m > pol.bound()
     if not trims:
+        # the whole value; when it is a slice of a larger tensor (``kv[-W:]`` while kv is still shorter
+        # than W), name that tensor and offset, so a slice of the in-place carry is seen to be in place
+        whole = _as_slices(value, site.axis)
+        if whole is not None and len(whole) == 1 and whole[0][3] - whole[0][2] == expect:
+            node, base, start, _end = whole[0]
+            return [_Part(node, 0, expect, start, base)]
         return [_Part(value, 0, expect, 0, value)]
     slices = _as_slices(value, site.axis)
     want = ([(0, pol.head), (m - pol.tail, m)] if isinstance(pol, HeadTail) else [(m - pol.size, m)])
