@@ -47,14 +47,15 @@ Per row: p50/p95/p99 latency, misses, peak memory (``torch.cuda.max_memory_alloc
 serving process, summed over GPUs; per GPU in ``per_gpu``), GPU busy fraction, and the cost of a join.
 
 - GPU busy fraction (``busy_fraction``, SRc): in each worker process a ``torch.profiler`` window
-  (CUDA activity only, so no host-side op recording) of ``--busy-window`` seconds, ending where the
-  last wave of arrivals begins (every session still streaming). The kernel intervals it records, on
-  every lane's stream, are clipped to the window and merged (their union, not their sum: lanes
-  overlap), then divided by the window. Memcpy and memset are not kernels and are not counted. The
-  row gives the mean over GPUs and ``busy_per_gpu``. The profiler is stopped only after the run
-  (stopping parses the trace with the GIL held, which would stall the serving threads), so CUPTI is
-  on from the window's start to the end of the run; ``misses_while_profiling`` counts the misses
-  among the chunks ready after the window opened (where tracing could have caused one).
+  (CUDA activity only, so no host-side op recording) of ``--busy-window`` seconds (default 1), ending
+  at the last arrival (every second of arrivals brings one chunk of every session, the last one
+  too). The kernel intervals it records, on every lane's stream, are clipped to the window and
+  merged (their union, not their sum: lanes overlap), then divided by the window. Memcpy and memset
+  are not kernels and are not counted. The row gives the mean over GPUs and ``busy_per_gpu``. The
+  profiler is stopped only after the run (stopping parses the trace with the GIL held, which would
+  stall the serving threads), so CUPTI is on from the window's start until the last chunk is
+  served; ``misses_while_profiling`` counts the misses among the chunks ready after the window
+  opened (where tracing could have caused one).
   ``--busy-window 0`` turns it off.
 - ``nvml_util`` (both cells, where pynvml is importable): NVML's utilization ("percent of time over
   the past sample period during which one or more kernels was executing"), sampled every 0.5 s by the
@@ -241,24 +242,27 @@ def busy_fraction(intervals_ns, window_ns: int, clip: tuple[int, int] | None = N
 class BusyWindow(threading.Thread):
     """A CUDA-activity profiler window of ``seconds`` from ``start`` (perf_counter time).
 
-    The thread only starts the profiler; :meth:`finish` stops it after the run: stopping parses the
-    trace with the GIL held, which would stall the serving threads. Kernels are clipped to the window
-    on the profiler's clock (wall-clock nanoseconds, like ``time.time_ns``), so the run's tail is not
+    The profiler's session belongs to the thread that starts it, so this thread starts it and also
+    stops it, but only when :meth:`finish` is called after the run: stopping parses the trace with
+    the GIL held, which would stall the serving threads. Kernels are clipped to the window on the
+    profiler's clock (wall-clock nanoseconds, like ``time.time_ns``), so the rest of the run is not
     counted; where no recorded kernel falls inside the window (another clock), the fraction is over
     the recorded span instead and ``busy_clock`` says so.
     """
 
-    def __init__(self, start: float, seconds: float) -> None:
+    def __init__(self, start: float, seconds: float, device: str = "cuda") -> None:
         super().__init__(daemon=True)
-        self.start_at, self.seconds = start, seconds
+        self.start_at, self.seconds, self.device = start, seconds, device  # "cpu": host ops (the CPU test)
         self.prof = None
         self.wall_ns = 0
         self.perf_start = None
         self.error = None
+        self.intervals: list[tuple[int, int]] = []
+        self.run_over = threading.Event()
 
     @staticmethod
     def warm() -> None:
-        """Initialize CUPTI once, before any timed run (its first start is slow)."""
+        """Initialize CUPTI once, in the main thread, before any timed run (its first start is slow)."""
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]):
@@ -270,41 +274,44 @@ class BusyWindow(threading.Thread):
 
         try:
             wait = self.start_at - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            self.prof = profile(activities=[ProfilerActivity.CUDA])  # no host-side op recording
+            if wait > 0 and self.run_over.wait(wait):
+                self.error = "the run ended before the window"
+                return
+            act = ProfilerActivity.CUDA if self.device == "cuda" else ProfilerActivity.CPU
+            self.prof = profile(activities=[act])  # CUDA: no host-side op recording
             self.prof.start()
             self.wall_ns, self.perf_start = time.time_ns(), time.perf_counter()
-        except Exception as e:  # noqa: BLE001 -- a failed window costs the figure, not the run
-            self.error = repr(e)
-
-    def finish(self, base: float) -> dict:
-        """Stop the profiler (after the run) and measure; ``base``: the run's t0 on the perf clock."""
-        self.join()
-        if self.error or self.prof is None:
-            return dict(busy_fraction=None, busy_error=self.error or "no window")
-        window = (self.perf_start - base, self.perf_start - base + self.seconds)
-        try:
+            self.run_over.wait()
             self.prof.stop()
-            cuda = torch.autograd.DeviceType.CUDA
-            intervals = []
+            kind = torch.autograd.DeviceType.CUDA if self.device == "cuda" else torch.autograd.DeviceType.CPU
             for ev in self.prof.profiler.kineto_results.events():
-                if ev.device_type() != cuda:
+                if ev.device_type() != kind:
                     continue
                 name = ev.name().lower()
                 if "memcpy" in name or "memset" in name:
                     continue
-                intervals.append((ev.start_ns(), ev.start_ns() + ev.duration_ns()))
-        except Exception as e:  # noqa: BLE001
-            return dict(busy_fraction=None, busy_error=repr(e), busy_window=window)
+                self.intervals.append((ev.start_ns(), ev.start_ns() + ev.duration_ns()))
+        except Exception as e:  # noqa: BLE001 -- a failed window costs the figure, not the run
+            self.error = repr(e)
+
+    def finish(self, base: float) -> dict:
+        """After the run: stop the profiler and measure; ``base``: the run's t0 on the perf clock."""
+        self.run_over.set()
+        self.join()
+        if self.error or self.perf_start is None:
+            return dict(busy_fraction=None, busy_error=self.error or "no window")
+        window = (self.perf_start - base, self.perf_start - base + self.seconds)
+        if self.device == "cuda" and not self.intervals:  # an idle GPU still runs the chunks' kernels
+            return dict(busy_fraction=None, busy_error="no kernel recorded", busy_window=window)
         w_ns = int(self.seconds * 1e9)
         clip = (self.wall_ns, self.wall_ns + w_ns)
-        inside = sum(1 for s, e in intervals if e > clip[0] and s < clip[1])
-        if inside or not intervals:
-            frac, clock = busy_fraction(intervals, w_ns, clip), "wall"
+        inside = sum(1 for s, e in self.intervals if e > clip[0] and s < clip[1])
+        if inside or not self.intervals:
+            frac, clock = busy_fraction(self.intervals, w_ns, clip), "wall"
         else:
-            frac, clock = busy_fraction(intervals, w_ns), "span"
-        return dict(busy_fraction=frac, busy_kernels=inside or len(intervals), busy_clock=clock, busy_window=window)
+            frac, clock = busy_fraction(self.intervals, w_ns), "span"
+        return dict(busy_fraction=frac, busy_kernels=inside or len(self.intervals), busy_clock=clock,
+                    busy_window=window)
 
 
 class NvmlSampler(threading.Thread):
@@ -408,8 +415,8 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     total = len(mine) * chunks
     busy = None
     if device == "cuda" and cmd["busy_window"] > 0:
-        # the last busy_window seconds before the last wave of arrivals: every session still streaming
-        start = base + max(0.0, period * (chunks - 1) - cmd["busy_window"])
+        # the last busy_window seconds of arrivals: each of them still sees every session streaming
+        start = base + max(0.0, period * chunks - cmd["busy_window"])
         busy = BusyWindow(start, cmd["busy_window"])
         busy.start()
 
@@ -443,7 +450,7 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                     heapq.heappush(due, (arrive + period, i, k + 1))
                 cond.notify_all()
                 if done[0] % max(1, total // 5) == 0 or done[0] == total:
-                    print(f"[gpu {args.worker} N={n}] {done[0]}/{total} chunks", file=sys.stderr, flush=True)
+                    print(f"[N={n}] {done[0]}/{total} chunks", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers or len(prog.lanes.lanes))]
     for t in threads:
@@ -878,9 +885,9 @@ def main() -> None:
                          "shared, as in the two-GPU rows)")
     ap.add_argument("--join-live", action="store_true",
                     help="each session joins when its first chunk arrives (during the others' traffic)")
-    ap.add_argument("--busy-window", type=float, default=2.0,
-                    help="seconds of the profiler window for the GPU busy fraction, ending where the last wave of "
-                         "arrivals begins (0: off)")
+    ap.add_argument("--busy-window", type=float, default=1.0,
+                    help="seconds of the profiler window for the GPU busy fraction, ending at the last arrival "
+                         "(0: off)")
     ap.add_argument("--lead", type=float, default=2.0, help="seconds from sending a run to its t0")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="skip any N that would end later than this many seconds after the start (0: no limit)")

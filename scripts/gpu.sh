@@ -25,5 +25,7 @@ case "${1:-}" in
            --json "$OUT/token2wav-partial.json" 2>&1 | tee -a "$OUT/bench.log" ;;
   cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" --rows "$OUT/cadence-rows.jsonl" "$@" 2>&1 \
              | tee -a "$OUT/cadence.log" ;;
-  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | cadence [benchmarks/cadence.py flags]" >&2; exit 2 ;;
+  cold) shift; python3 benchmarks/cold_start.py --json "$OUT/cold_start.json" "$@" 2>&1 | tee -a "$OUT/cold_start.log" ;;
+  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | cadence [benchmarks/cadence.py flags] | cold [flags]" >&2
+     exit 2 ;;
 esac

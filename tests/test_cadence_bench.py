@@ -36,6 +36,39 @@ def test_union_of_kernel_intervals_counts_overlaps_once():
     assert cadence.busy_fraction([(0, 50), (90, 200), (100, 120)], 100, clip=(50, 150)) == 0.6
 
 
+def test_busy_window_starts_and_stops_in_its_thread_and_clips_on_wall_clock():
+    """The window thread starts the profiler and, once the run is over, stops it (a profiler session
+    belongs to its thread); the clip assumes the profiler's clock is ``time.time_ns``'s. On the CPU
+    the window records host ops, of its own thread only, so what it measures here is the plumbing:
+    no error, a window where it was asked for, a fraction in [0, 1] on the wall clock."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:  # the clock (and, on a GPU host, the main-thread init)
+        before = time.time_ns()
+        torch.randn(64, 64).sum()
+        after = time.time_ns()
+    starts = [ev.start_ns() for ev in p.profiler.kineto_results.events()]
+    assert starts and all(before - 10**6 <= t <= after + 10**6 for t in starts), (before, starts, after)
+
+    base = time.perf_counter()
+    w = cadence.BusyWindow(base + 0.05, 0.2, device="cpu")
+    w.start()
+    while time.perf_counter() - base < 0.35:
+        torch.randn(64, 64).sum()
+    got = w.finish(base)
+    assert got.get("busy_error") is None, got
+    assert got["busy_clock"] == "wall" and 0.0 <= got["busy_fraction"] <= 1.0
+    assert got["busy_window"][0] == pytest.approx(0.05, abs=0.1)
+    assert not torch.autograd.profiler._is_profiler_enabled
+    # a run that ends before its window opens: no window, no profiler left running
+    late = cadence.BusyWindow(time.perf_counter() + 5, 1.0, device="cpu")
+    late.start()
+    assert late.finish(time.perf_counter())["busy_error"] == "the run ended before the window"
+
+
 def test_session_lists_per_gpu_count():
     assert cadence.per_gpu_lists("16,17,18/32,34,36", [1, 2]) == {1: [16, 17, 18], 2: [32, 34, 36]}
     assert cadence.per_gpu_lists("16,18", [1, 2]) == {1: [16, 18], 2: [32, 36]}
