@@ -920,11 +920,14 @@ def main() -> None:
     cells = [c for c in args.cells.split(",") if c]
     k = max(gpus)
     solo = run.start_solo(k)
-    workers = run.start_workers(k) if "SRc" in cells else []
+    # the SRc workers build beside the solo runs when SRc comes first; otherwise when its turn comes
+    # (they hold their GPU's memory until the SRc cell is over)
+    workers = run.start_workers(k) if cells[:1] == ["SRc"] else []
     try:
         run.finish_solo(*solo)
         for cell in cells:
             if cell == "SRc":
+                workers = workers or run.start_workers(k)
                 try:
                     run.run_src(workers, gpus, per_gpu_lists(args.sessions, gpus))
                 except RuntimeError as e:
