@@ -1,6 +1,7 @@
 """Plot chunk latency against concurrent conversations from a cadence JSON (benchmarks/cadence.py).
 
     python benchmarks/plot_cadence.py docs/results/cadence-h200.json docs/results/cadence-h200.png
+    python benchmarks/plot_cadence.py src.json stock.json out.png     # rows of several runs in one plot
 
 One line per (cell, GPU count): p99 solid, p50 dashed in the same colour; rows with misses are
 annotated; the horizontal line is the 1 s deadline (one chunk of audio). Rows without a ``gpus``
@@ -28,15 +29,16 @@ def series(rows: list[dict]) -> dict[tuple[str, int], list[tuple]]:
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def main(src: str, dst: str) -> None:
+def main(srcs: list[str], dst: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.load(open(src))
-    rows = data["rows"] if isinstance(data, dict) else data
-    period_ms = 1e3 * (data.get("period_s", 1.0) if isinstance(data, dict) else 1.0)
+    docs = [json.load(open(src)) for src in srcs]
+    rows = [r for d in docs for r in (d["rows"] if isinstance(d, dict) else d)]
+    data = next((d for d in docs if isinstance(d, dict)), {})
+    period_ms = 1e3 * data.get("period_s", 1.0)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     spare = iter(SPARE)
     for (cell, gpus), pts in series(rows).items():
@@ -51,9 +53,8 @@ def main(src: str, dst: str) -> None:
                 ax.annotate(note, (x, p99), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
     ax.axhline(period_ms, color="tab:red", lw=1, label=f"{period_ms / 1e3:g} s deadline (one chunk of audio)")
     ax.set_yscale("log")
-    device = data.get("device") if isinstance(data, dict) else None
-    dtype = data.get("dtype", "float32") if isinstance(data, dict) else "float32"
-    model = "demo decoder (smoke run)" if isinstance(data, dict) and data.get("model") == "demo" else "Token2Wav"
+    device, dtype = data.get("device"), data.get("dtype", "float32")
+    model = "demo decoder (smoke run)" if data.get("model") == "demo" else "Token2Wav"
     ax.set_xlabel(f"concurrent conversations ({model}, {dtype}{', ' + device if device else ''})")
     ax.set_ylabel("chunk latency, arrival to PCM on host (ms)")
     ax.legend(fontsize=6.5, loc="upper left")
@@ -63,4 +64,4 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1:-1], sys.argv[-1])

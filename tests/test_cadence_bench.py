@@ -156,3 +156,16 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     assert rows[("SRc", 2, 4)]["join_max_ms"] is not None and rows[("SRc", 2, 4)]["join_window_misses"] is not None
     assert rows[("stock", 2, 2)]["script_sha"] == {"0": [rep["solo_sha"]["0"]], "1": [rep["solo_sha"]["1"]]}
     assert set(rep["limits"]["SRc"]) >= {"1", "2"}
+
+
+def test_plot_series_one_line_per_cell_and_gpu_count():
+    from benchmarks import plot_cadence
+
+    rows = [dict(name="SRc", n_sessions=16, p50_ms=80, p99_ms=90, misses=0),  # before multi-GPU: one GPU
+            dict(cell="SRc", gpus=2, n_sessions=34, p50_ms=85, p99_ms=95, misses=0, bitexact=True),
+            dict(cell="SRc", gpus=2, n_sessions=32, p50_ms=80, p99_ms=90, misses=0, bitexact=True),
+            dict(cell="stock", gpus=1, n_sessions=12, p50_ms=300, p99_ms=700, misses=0),
+            dict(cell="stock", gpus=1, n_sessions=14, error="boom")]
+    got = plot_cadence.series(rows)
+    assert list(got) == [("SRc", 1), ("SRc", 2), ("stock", 1)]
+    assert [p[0] for p in got[("SRc", 2)]] == [32, 34]
