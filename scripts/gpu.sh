@@ -4,6 +4,8 @@
 #   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process
 #   LANES=2 scripts/gpu.sh cells B0,SRc/B0,S   two lanes side by side, one GPU each (nvidia-h200-x2)
 #   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py)
+#   FRAMES=1000 scripts/gpu.sh moshi B0,vendor,S,R,SR   Moshi cells, each in a fresh process (benchmarks/moshi.py;
+#                                  needs moshi 0.2.13: its wheel in .whl/ or .upstream/moshi-0.2.13)
 #   scripts/gpu.sh cold [--chunks 4]   cold start: export, optimize, save, then load + capture + first chunk
 #                                      in a fresh process (benchmarks/cold_start.py), about 3 minutes
 #   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 16,17,18/32,34,36 --pack --join-live --time-budget 560
@@ -23,9 +25,11 @@ case "${1:-}" in
   tests) python3 -m pytest -q -m cuda tests/ -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu-tests.log" ;;
   cells) python3 benchmarks/token2wav.py --blocks 4 --chunks 24 --lanes "${LANES:-1}" --cells "$2" --rows "$OUT/rows.jsonl" \
            --json "$OUT/token2wav-partial.json" 2>&1 | tee -a "$OUT/bench.log" ;;
+  moshi) python3 benchmarks/moshi.py --frames "${FRAMES:-1000}" --cells "${2:-B0,vendor,S,R,SR}" \
+           --rows "$OUT/moshi-rows.jsonl" --json "$OUT/moshi.json" 2>&1 | tee -a "$OUT/moshi.log" ;;
   cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" --rows "$OUT/cadence-rows.jsonl" "$@" 2>&1 \
              | tee -a "$OUT/cadence.log" ;;
   cold) shift; python3 benchmarks/cold_start.py --json "$OUT/cold_start.json" "$@" 2>&1 | tee -a "$OUT/cold_start.log" ;;
-  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | cadence [benchmarks/cadence.py flags] | cold [flags]" >&2
+  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | cold [flags]" >&2
      exit 2 ;;
 esac

@@ -4,7 +4,10 @@
 # Installs: torch (2.13.0 when none is present), this package with its test extras, and the two
 # upstream releases of the Token2Wav decoder (minicpmo==0.1.2, minicpmo-utils==1.0.7). Both ship a
 # package named `stepaudio2`, so each goes into its own folder under .upstream/ (no dependencies:
-# the decoder needs only torch, einops and scipy; their __init__ pulls in ASR/onnx code we never run).
+# the decoder needs only torch, einops and scipy; their __init__ pulls in ASR/onnx code we never run),
+# and moshi==0.2.13 (the Moshi adapter) into .upstream/moshi-0.2.13, also without its dependencies: the
+# wheel pins torch<2.10 and pulls audio I/O (sounddevice, sphn), aiohttp and bitsandbytes; the step
+# imports only torch, einops and numpy (cadence_fx/adapters/moshi/upstream.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${CADENCE_FX_VENV:-.venv}
@@ -25,5 +28,8 @@ for spec in "minicpmo==0.1.2:minicpmo-0.1.2" "minicpmo-utils==1.0.7:minicpmo-uti
     "$py" -m pip install -q --no-deps --target "$dir" "$req"
   fi
 done
+if [ ! -d "$UP/moshi-0.2.13/moshi" ]; then
+  "$py" -m pip install -q --no-deps --target "$UP/moshi-0.2.13" "moshi==0.2.13"
+fi
 export CADENCE_FX_UPSTREAM="$UP"
 exec "$py" -m pytest -q "$@"

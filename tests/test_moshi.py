@@ -125,6 +125,31 @@ def test_optimized_stream_is_bit_exact_with_rings_in_place(stack, progs_off, rep
         assert c["lm"]["replays"] == 0 and c["lm"]["rejections"] == {"host_randomness": FRAMES}
 
 
+@pytest.mark.parametrize("state", [True, False])
+def test_lm_frame_replayed_whole_is_exact(stack, state):
+    """The whole LM frame as one replayed partition (the SR and R cells' LM). On the CPU a replayed
+    step cannot sample (host randomness is refused), so this LM samples greedily; the ring writes,
+    the token bookkeeping and ``LMGen``'s masked assignment run through the (fake) replay."""
+    up, cfg = stack.up, dataclasses.replace(stack.cfg, use_sampling=False)
+    step = mo.LMStep(mo.build_lm_gen(up, cfg, mo.build_lm(up, cfg)), up)
+    contract = mo.moshi_contract(step)
+    fresh = step.fresh(FRAMES, seed=5)
+    eps = export_step_catalog(step, step.initial_state(), fresh[:1], contract)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), state=state)
+    prog.warmup(fresh[0]["x"])
+    mo.install_state(step, step.initial_state())
+    with mo.upstream_eager(up), torch.no_grad():
+        stock = [step.as_tokens(step.gen.step(f["x"]), 1, "cpu").clone() for f in fresh]
+    got, st = [], step.initial_state()
+    with torch.no_grad():
+        for f in fresh:
+            out = prog(*step.next_args(f, st))
+            got.append(out[0].clone())
+            st = step.carry(out)
+    assert all(torch.equal(a, b) for a, b in zip(got, stock))
+    assert prog.counters()["replays"] == FRAMES and prog.counters()["eager"] == 0
+
+
 def test_state_outputs_are_views_of_the_region_buffers(stack, progs_off):
     step = stack.steps.lm
     prog = progs_off["lm"]

@@ -1,0 +1,342 @@
+"""Moshi (Kyutai's full-duplex speech model, ``moshi`` 0.2.13 from PyPI): one full-duplex stream per cell.
+
+    python benchmarks/moshi.py --frames 1000 --json docs/results/moshi-h200.json --rows .out/moshi-rows.jsonl
+
+Released dimensions (7B temporal transformer + depformer in bf16, Mimi in fp32 with 8 codebooks),
+random weights built directly on the GPU, batch 1, ``LMGen``'s default sampling (device RNG). Each
+frame (80 ms of audio): Mimi encodes the user's 1920 samples, ``LMGen`` samples the text token and
+the model's 8 audio codes, Mimi decodes them (from frame 1 on, when ``LMGen.step`` first returns
+tokens). Cells:
+
+- ``B0``      the stock code as shipped, eager (``NO_CUDA_GRAPH=1``): ``mimi.encode``, ``LMGen.step``,
+              ``mimi.decode``, each module keeping its own streaming state;
+- ``vendor``  the same with moshi's own ``CUDAGraphed`` replay as shipped (``forward_text`` and
+              ``depformer_step`` of the LM, Mimi's SEANet encoder/decoder and transformers; captured
+              on the second call, eager glue between the graphs);
+- ``S``       the exported steps under the state rule only (contract-owned rings, no replay);
+- ``R``       replay only (one CUDA graph per step: the whole LM frame, sampling included; Mimi encode;
+              Mimi decode), the state staged in and out of the graphs as plain inputs;
+- ``SR``      both rules: the graphs run on the region buffers, nothing staged.
+
+Every cell runs with ``NO_TORCH_COMPILE=1``: moshi compiles its RMS norm, RoPE and gating kernels
+with ``torch.compile`` on CUDA by default, whose fused kernels differ from the eager ones in bits,
+and an exactness gate needs one set of kernels for every cell.
+
+Process layout: **every cell runs in a fresh process** (``benchmarks/harness.py``), builds the
+stack from the benchmark seed, and streams ``--frames`` frames of seeded noise as the user's audio
+from the initial state, with the same sampling seed. Optimized cells export the three steps, optimize
+them, free the upstream modules' own copy of the state (the program owns it) and warm up (capture)
+before the stream. The gate: SHA-256 of every frame's tokens (text token + audio codes) and PCM
+against B0's; a cell whose bytes differ is NOT EXACT and gets no speedup. Reported per cell: p50/p95
+ms per frame (encode + LM + decode, each stage synchronised so its time is known) and of the LM step
+alone, peak MiB (``torch.cuda.max_memory_allocated`` from the moment the cell is ready to serve:
+weights, state, graph pools, warm-up included; building, export and optimize excluded, for every cell
+alike), kernels and host launches per frame (one extra profiled frame after the timed stream), and for
+the optimized cells export/optimize/warm-up seconds, replays and eager fallbacks, and the state the
+program owns (regions, MiB, regions written whole per call, state inputs used in place).
+
+``--reduced`` runs the reduced configuration of the CPU tests (a smoke run; on the CPU there is no
+replay and no vendor graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any, Callable
+
+# before moshi is imported: its torch.compile wrappers read this once, at import
+os.environ.setdefault("NO_TORCH_COMPILE", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402
+from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
+
+STOCK_CELLS = ("B0", "vendor")
+OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay="auto"),
+             "SR": dict(state=True, replay="auto")}
+STAGES = ("encode", "lm", "decode")
+SAMPLING_SEED = 1234
+AUDIO_SEED = 99
+
+
+def pick_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build(args, device: str):
+    """The upstream modules at the configuration, as the three steps; returns (mo, up, cfg, steps)."""
+    from cadence_fx.adapters import moshi as mo
+
+    up = mo.load_moshi()
+    cfg = mo.MoshiConfig.reduced() if args.reduced else mo.MoshiConfig()
+    t0 = time.perf_counter()
+    steps = mo.build_steps(up, cfg, device)
+    harness.sync()
+    print(f"[build] {time.perf_counter() - t0:.1f} s on {device}", file=sys.stderr, flush=True)
+    return mo, up, cfg, steps
+
+
+def _ready(device: str) -> None:
+    """The cell is built: drop garbage and start counting the peak."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# --------------------------------------------------------------------------- the timed stream
+def stream(stages: dict[str, Callable[[torch.Tensor], torch.Tensor]], pcm: list[torch.Tensor], max_delay: int,
+           device: str) -> dict[str, Any]:
+    """Run every frame through ``stages`` (encode, lm, decode), each stage synchronised and timed.
+
+    Returns per-frame and per-stage milliseconds and the SHA-256 of the tokens, of the PCM and of both
+    (frame by frame: tokens, then PCM where there is any), copied to the host outside the timings.
+    """
+    torch.manual_seed(SAMPLING_SEED)
+    if device == "cuda":
+        torch.cuda.manual_seed(SAMPLING_SEED)
+    ms = {name: [] for name in ("frame", *STAGES)}
+    tokens, audio, both = [], [], []
+    with torch.no_grad():
+        for k, x in enumerate(pcm):
+            codes, t_enc = harness.timed(stages["encode"], x)
+            tok, t_lm = harness.timed(stages["lm"], codes)
+            out, t_dec = harness.timed(stages["decode"], tok[:, 1:]) if k >= max_delay else (None, 0.0)
+            ms["encode"].append(t_enc)
+            ms["lm"].append(t_lm)
+            ms["decode"].append(t_dec)
+            ms["frame"].append(t_enc + t_lm + t_dec)
+            tokens.append(tok.to("cpu", copy=True))
+            both.append(tokens[-1])
+            if out is not None:
+                audio.append(out.to("cpu", copy=True))
+                both.append(audio[-1])
+    return dict(ms=ms, sha256=sha256_tensors(both), sha256_tokens=sha256_tensors(tokens),
+                sha256_pcm=sha256_tensors(audio), first_tokens=[t.flatten().tolist() for t in tokens[:4]])
+
+
+def _profile(stages, x: torch.Tensor) -> dict[str, float]:
+    """Kernels and launches of one more frame, after the timed stream (so profiling distorts no timing)."""
+
+    def frame():
+        with torch.no_grad():
+            tok = stages["lm"](stages["encode"](x))
+            stages["decode"](tok[:, 1:])
+
+    return harness.profile_calls(frame, calls=1)
+
+
+def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", **extra) -> dict:
+    prof = prof or {}
+    nan = float("nan")
+    ms = res["ms"]
+    row = dict(name=name, block=0, p50_ms=harness.percentile(ms["frame"], 50), p95_ms=harness.percentile(ms["frame"], 95),
+               peak_mib=harness.peak_mib(), kernels_per_chunk=prof.get("kernels", nan),
+               launches_per_chunk=prof.get("launches", nan), busy_ms=prof.get("busy_ms", nan), warmup_s=warm,
+               sha256=res["sha256"], sha256_tokens=res["sha256_tokens"], sha256_pcm=res["sha256_pcm"],
+               first_tokens=res["first_tokens"], frames=len(ms["frame"]), notes=notes, ms=ms["frame"], **extra)
+    for stage in STAGES:
+        row[f"{stage}_p50_ms"] = harness.percentile(ms[stage], 50)
+        row[f"{stage}_p95_ms"] = harness.percentile(ms[stage], 95)
+    return row
+
+
+# --------------------------------------------------------------------------- cells
+def run_stock_cell(args, name: str) -> list[dict]:
+    """B0 (eager) or vendor (moshi's CUDAGraphed as shipped): the upstream objects keep their state."""
+    if name == "B0":
+        os.environ["NO_CUDA_GRAPH"] = "1"  # what the issue measured as eager; upstream_eager also disables it
+    env = pin_envelope()
+    device = pick_device()
+    mo, up, cfg, steps = build(args, device)
+    pcm = mo.user_audio(args.frames + 1, seed=AUDIO_SEED, device=device)
+    for stage in STAGES:
+        mo.install_state(getattr(steps, stage), getattr(steps, stage).initial_state())
+    mimi, gen = steps.decode.module, steps.lm.gen
+    b = cfg.batch_size
+    graphed = name == "vendor" and device == "cuda"
+    stages = {"encode": mimi.encode, "lm": lambda c: steps.lm.as_tokens(gen.step(c), b, device),
+              "decode": mimi.decode}
+    extra: dict = {}
+    if name == "B0":
+        extra.update(envelope={k: str(v) for k, v in env.items()}, gpu=torch.cuda.get_device_name() if device == "cuda"
+                     else "cpu", torch=torch.__version__, moshi=up.version)
+    _ready(device)
+    with mo.upstream_eager(up, cuda_graph=graphed):
+        res = stream(stages, pcm[:-1], steps.max_delay, device)
+        prof = _profile(stages, pcm[-1])
+    notes = "CUDAGraphed as shipped (captured on the 2nd call)" if graphed else "eager (NO_CUDA_GRAPH=1)"
+    first = res["ms"]["frame"][:3]
+    return [_row(name, res, prof, 0.0, notes, lane=args.lane, first_frames_ms=first, **extra)]
+
+
+def run_opt_cell(args, name: str) -> list[dict]:
+    """S, R, SR: the exported steps through cadence_fx.optimize."""
+    import cadence_fx as cf
+    from cadence_fx.adapters.streaming import export_step_catalog
+
+    pin_envelope()
+    spec = OPT_CELLS[name]
+    device = pick_device()
+    mo, up, cfg, steps = build(args, device)
+    pcm = mo.user_audio(args.frames + 1, seed=AUDIO_SEED, device=device)
+    examples = steps.examples()
+    contracts = {s: mo.moshi_contract(getattr(steps, s)) for s in STAGES}
+    export_s, optimize_s, progs = {}, {}, {}
+    for s in STAGES:
+        step = getattr(steps, s)
+        t0 = time.perf_counter()
+        eps = export_step_catalog(step, step.initial_state(), [{"x": examples[s]}], contracts[s])
+        export_s[s] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        progs[s] = cf.optimize(eps, contracts[s], replay=spec["replay"], state=spec["state"])
+        optimize_s[s] = time.perf_counter() - t0
+        del eps
+        print(f"[{name}] {s}: export {export_s[s]:.1f} s, optimize {optimize_s[s]:.1f} s", file=sys.stderr, flush=True)
+    # the initial state: regions from the host (the program copies them into its buffers on the first
+    # call), plain inputs on the device; then the upstream objects' own copy of the state can go
+    state = {s: _initial(getattr(steps, s), contracts[s], spec["state"], device) for s in STAGES}
+    released = sum(getattr(steps, s).release_state() for s in STAGES)
+    _ready(device)
+    t0 = time.perf_counter()
+    for s in STAGES:
+        # region inputs are views of the program's buffers in warm-up; other inputs are zeros it makes
+        progs[s].warmup(examples[s])
+    warm = time.perf_counter() - t0
+    gc.collect()
+    st = {s: dict(v) for s, v in state.items()}
+
+    def stage(s: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        step = getattr(steps, s)
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            out = progs[s](*step.next_args({"x": x}, st[s]))
+            st[s] = step.carry(out)
+            return out[0]
+        return call
+
+    stages = {s: stage(s) for s in STAGES}
+    before = {s: progs[s].counters() for s in STAGES}
+    res = stream(stages, pcm[:-1], steps.max_delay, device)
+    counters = {s: _delta(before[s], progs[s].counters()) for s in STAGES}
+    prof = _profile(stages, pcm[-1])
+    state_info = {s: _state_info(progs[s], contracts[s], spec["state"]) for s in STAGES}
+    notes = ", ".join(f"{s}: replays {c['replays']}, eager {c['eager']}" + (f" {c['rejections']}" if c["rejections"]
+                                                                             else "") for s, c in counters.items())
+    return [_row(name, res, prof, warm, notes, lane=args.lane, export_s=export_s, optimize_s=optimize_s,
+                 counters=counters, state=state_info, released_stock_state_mib=released / 2**20,
+                 memory={s: {k: v / 2**20 for k, v in progs[s].memory_census().items()} for s in STAGES})]
+
+
+def _initial(step, contract, regions_on_host: bool, device: str) -> dict[str, torch.Tensor]:
+    """The step's initial state: region inputs on the host when the program copies them in (the state
+    rule), everything else on the device."""
+    regions = {r.input for r in contract.regions} if regions_on_host else set()
+    host = step.initial_state("cpu")
+    return {n: t if n in regions else t.to(device) for n, t in host.items()}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    rej = {k: v - before["rejections"].get(k, 0) for k, v in after["rejections"].items()
+           if v - before["rejections"].get(k, 0)}
+    return {"replays": after["replays"] - before["replays"], "eager": after["eager"] - before["eager"],
+            "rejections": rej}
+
+
+def _state_info(prog, contract, state_rule: bool) -> dict:
+    """What the program owns as state, how the stream fed it, and (where ``cadence_fx.plan`` counts it)
+    the state bytes one call writes, stock program vs rewritten one."""
+    out: dict[str, Any] = {"regions": 0}
+    if state_rule:
+        stats = prog.stats
+        out = {"regions": len(contract.regions),
+               "region_mib": sum(rp.stored_bytes for rp in prog.plan.regions) / 2**20,
+               # regions whose outgoing value is written whole into the buffer every call (the rest are
+               # written in place by the model: ring positions, counters)
+               "regions_written_whole_per_call": stats["passes"].get("retention_in_place", 0),
+               "state_in_place": stats["state_in_place"], "state_adopted": stats["state_adopted"]}
+    try:
+        from cadence_fx.plan import state_traffic
+    except ImportError:  # an older cadence_fx without the count
+        return out
+    for cls in state_traffic(prog):
+        out["state_bytes_per_call"] = {k: sum(v.get(k, 0) for v in cls["regions"].values())
+                                       for k in ("stock", "optimized")}
+        out["left_stock"] = cls["left_stock"]
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "encode_p50_ms", "encode_p95_ms", "lm_p50_ms",
+              "lm_p95_ms", "decode_p50_ms", "decode_p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
+              "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "bitexact", "speedup",
+              "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
+              "released_stock_state_mib", "memory", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frames", type=int, default=1000, help="frames per cell (80 ms each)")
+    ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
+    harness.add_flags(ap, cells="B0,vendor,S,R,SR", blocks=1)
+    args = ap.parse_args()
+    if args.one:
+        cell = run_stock_cell if args.one in STOCK_CELLS else run_opt_cell
+        harness.write_cell(args.out, cell(args, args.one))
+        return
+    common = ["--frames", str(args.frames)] + (["--reduced"] if args.reduced else [])
+    report(harness.collect(args, __file__, common, per_block=False), args)
+
+
+def report(cells: list[dict], args) -> None:
+    """Print the table, the per-stage medians and the targets; save the JSON report."""
+    base = next((r for r in cells if r["name"] == harness.BASELINE and "error" not in r), {})
+    gpu = base.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    print(f"Moshi {'reduced' if args.reduced else 'released'} sizes, {args.frames} frames per cell, {gpu}, "
+          f"torch {base.get('torch', torch.__version__)}, moshi {base.get('moshi', '?')}, {date.today()}")
+    print(harness.table(cells))
+    print(f"{'cell':<10}{'LM p50':>9}{'LM p95':>9}{'enc p50':>9}{'dec p50':>9}  tokens / pcm sha256")
+    for r in cells:
+        if "error" not in r:
+            print(f"{r['name']:<10}{r['lm_p50_ms']:>9.2f}{r['lm_p95_ms']:>9.2f}{r['encode_p50_ms']:>9.2f}"
+                  f"{r['decode_p50_ms']:>9.2f}  {r['sha256_tokens'][:12]} / {r['sha256_pcm'][:12]}")
+    targets = _targets(cells)
+    print("targets:", json.dumps(targets, indent=1))
+    if args.json:
+        harness.write_json(args.json, dict(gpu=gpu, torch=base.get("torch"), moshi=base.get("moshi"),
+                                           date=str(date.today()), frames=args.frames, envelope=base.get("envelope"),
+                                           cells=[{k: r[k] for k in ROW_FIELDS if k in r} for r in cells],
+                                           summary=harness.summarize(cells), targets=targets))
+
+
+def _targets(cells: list[dict]) -> dict:
+    """The issue's targets: SR reaches >= 95 % of the vendor's speedup over B0 (per frame, p50), peak
+    memory at most the vendor's, and tokens / codes / PCM bit-identical with B0."""
+    by = {r["name"]: r for r in cells if "error" not in r}
+    out: dict[str, Any] = {}
+    if {"B0", "vendor", "SR"} <= set(by):
+        b0, v, sr = by["B0"], by["vendor"], by["SR"]
+        out["vendor_speedup"] = b0["p50_ms"] / v["p50_ms"]
+        out["SR_speedup"] = b0["p50_ms"] / sr["p50_ms"] if sr["bitexact"] else None
+        out["SR_of_vendor_speedup"] = out["SR_speedup"] / out["vendor_speedup"] if out["SR_speedup"] else None
+        out["SR_speedup_ok"] = bool(out["SR_of_vendor_speedup"] and out["SR_of_vendor_speedup"] >= 0.95)
+        if v.get("peak_mib") and sr.get("peak_mib"):
+            out["SR_peak_mib"], out["vendor_peak_mib"] = sr["peak_mib"], v["peak_mib"]
+            out["SR_peak_ok"] = sr["peak_mib"] <= v["peak_mib"]
+    out["bitexact"] = {name: r["bitexact"] for name, r in by.items()}
+    return out
+
+
+if __name__ == "__main__":
+    main()
