@@ -31,6 +31,16 @@ FRAMES = 8
 NAMES = ("encode", "lm", "decode")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: one intra-op thread is as fast, and a shared CI core cannot stall a
+    two-thread barrier (seen: 2 ms calls taking 500 ms under load). Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _upstream() -> types.SimpleNamespace:
     try:
         return mo.load_moshi()
