@@ -2,6 +2,7 @@
 
     eps = cadence_fx.export_catalog(step, contract, example)  # one static program per catalog class
     prog = cadence_fx.optimize(eps, contract)                  # drop-in for ep.module()
+    cadence_fx.save(prog, "step.cfx")                          # a restart: cadence_fx.load("step.cfx")
 """
 
 import logging
@@ -13,6 +14,7 @@ from cadence_fx.export import example_inputs, export_catalog
 from cadence_fx.passes.hoist_constants import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, plan, region_extents
 from cadence_fx.program import OptimizedProgram, optimize
+from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
 from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot
 from cadence_fx.runtime.state import StaleState
@@ -20,8 +22,9 @@ from cadence_fx.runtime.state import StaleState
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail", "OptimizedProgram", "Plan", "Region",
+    "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail",
+    "OptimizedProgram", "Plan", "Region",
     "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
-    "example_inputs", "export_catalog", "optimize", "plan", "reference", "region_extents",
+    "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from torch.export import ExportedProgram
 
 from cadence_fx.contract import Contract, ContractError
 from cadence_fx.plan import call_classes
+from cadence_fx.progress import Progress
 
 __all__ = ["example_inputs", "export_catalog"]
 
@@ -48,5 +49,10 @@ def example_inputs(contract: Contract, cls: Mapping[str, int], example: Mapping[
 def export_catalog(step: torch.nn.Module, contract: Contract, example: Mapping[str, Any],
                    **export_kwargs: Any) -> list[ExportedProgram]:
     """``torch.export.export`` of ``step`` once per catalog class of ``contract`` (static shapes)."""
-    return [torch.export.export(step, example_inputs(contract, cls, example), **export_kwargs)
-            for cls in call_classes(contract)]
+    classes = call_classes(contract)
+    eps = []
+    with Progress("cadence_fx export", len(classes)) as bar:  # a line on stderr once it takes a while
+        for cls in classes:
+            eps.append(torch.export.export(step, example_inputs(contract, cls, example), **export_kwargs))
+            bar.advance()
+    return eps

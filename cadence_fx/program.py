@@ -26,6 +26,7 @@ from cadence_fx.passes.hoist_constants import FoldedWeights
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.plan import Plan, plan as make_plan
+from cadence_fx.progress import Progress
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
 from cadence_fx.runtime.lanes import Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
@@ -73,19 +74,30 @@ class OptimizedProgram:
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
                  replay: Replay | Any, state: bool = True, lanes: int = 1) -> None:
-        if not isinstance(lanes, int) or lanes < 1:
-            raise ValueError(f"lanes must be a positive int, got {lanes!r}")
+        _check_lanes(lanes)
+        # programs saved and loaded separately carry one copy of the weights each: fold them into one
+        shared_bytes = share_catalog_tensors(exported)
+        self._setup(contract, plan=make_plan(exported, contract), names=input_names(exported[0]),
+                    sites=[bind_regions(ep, contract) for ep in exported], verify=verify, replay=replay, state=state)
+        self.shared_bytes = shared_bytes
+        self._exported = list(exported)
+        self._assemble(lanes)
+        self._exported = []  # the rewritten programs hold what they need; the stock workspaces can go
+
+    def _setup(self, contract: Contract, *, plan: Plan, names: list[str], sites: list[dict[str, RegionSite]],
+               verify: bool, replay: Replay | Any, state: bool) -> None:
+        """Everything but the lanes: shared by :func:`optimize` and a program loaded from an artifact
+        (:func:`cadence_fx.load`), which supplies the plan and the sites it stored."""
         self.contract = contract
         self.state_rule = state
-        # programs saved and loaded separately carry one copy of the weights each: fold them into one
-        self.shared_bytes = share_catalog_tensors(exported)
-        self.plan: Plan = make_plan(exported, contract)
+        self.shared_bytes = 0
+        self.plan = plan
         self.auditor = Auditor() if verify else None
-        self._exported = list(exported)
-        self._names = input_names(exported[0])
+        self._exported: list[ExportedProgram] = []
+        self._names = list(names)
         self._region_index = {r.name: self._names.index(r.input) for r in contract.regions}
         self._backend = _pick_backend(replay)
-        self._sites = [bind_regions(ep, contract) for ep in exported]
+        self._sites = list(sites)
         self._config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self.auditor)
         # hoisted constants and weight digests are shared by every lane; workspaces are per lane
         self._shared = CatalogTables()
@@ -93,19 +105,35 @@ class OptimizedProgram:
         self._sessions: dict[int, Session] = {}
         self._owners: dict[int, Any] = {}
         self._session_lock = threading.Lock()
-        lane0 = self._build_lane(0, self._backend, record=True)
-        _check_extents(contract, self.plan, self._sites)  # after the passes: theirs name the node that differs
-        self.lanes = LanePool([lane0])
-        for _ in range(lanes - 1):
-            backend = self._backend.fork() if hasattr(self._backend, "fork") else self._backend
-            self.lanes.add(self._build_lane(len(self.lanes.lanes), backend))
-        self._exported = []  # the rewritten programs hold what they need; the stock workspaces can go
+
+    def _assemble(self, lanes: int) -> None:
+        """Build lane 0 (recording the passes' counts), check the extents, build the other lanes."""
+        with Progress(self._progress_label(), len(self._sites) * lanes) as bar:
+            lane0 = self._build_lane(0, self._backend, record=True, bar=bar)
+            _check_extents(self.contract, self.plan, self._sites)  # after the passes: theirs name the node that differs
+            self.lanes = LanePool([lane0])
+            for _ in range(lanes - 1):
+                backend = self._backend.fork() if hasattr(self._backend, "fork") else self._backend
+                self.lanes.add(self._build_lane(len(self.lanes.lanes), backend, bar=bar))
         self._default = _DefaultState(lane0)
         lane0.resident = self._default
         self.state = lane0.state
         self.catalog = lane0.catalog
 
-    def _build_lane(self, index: int, backend: Any, *, record: bool = False) -> Lane:
+    def _progress_label(self) -> str:
+        return "cadence_fx optimize"
+
+    def _rewrite(self, index: int, facts: ProgramFacts, tables: CatalogTables) -> tuple[tuple, GraphModule]:
+        """Catalog program ``index`` rewritten for one lane: ``(its catalog key, the annotated module)``.
+
+        ``facts`` carries the lane's region buffers in and the passes' findings out. A program loaded
+        from an artifact overrides this: it rebuilds the stored graph instead of running the passes.
+        """
+        ep = self._exported[index]
+        # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
+        return program_key(ep), run_pipeline(ep.module(), PassContext(self._config, tables, facts))
+
+    def _build_lane(self, index: int, backend: Any, *, record: bool = False, bar: Progress | None = None) -> Lane:
         """Rewrite every exported program for one lane: its own state buffers, workspaces and runners."""
         first = self._sites[0]
         store = StateStore({
@@ -115,20 +143,21 @@ class OptimizedProgram:
         runners = RunnerSet()
         private: dict[int, torch.Tensor] = {}
         entries = []
-        for ep, sites in zip(self._exported, self._sites):
+        for i, sites in enumerate(self._sites):
             admitted = self._admit(sites, log_refusal=record)
             facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
-            # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
-            gm = run_pipeline(ep.module(), PassContext(self._config, tables, facts))
+            key, gm = self._rewrite(i, facts, tables)
             # lane 0 runs on the stock module's scratch buffers; the others get their own copies
             privatize_written_buffers(gm, private, clone=index > 0)
             if backend is not None and admitted:
                 install_runners(gm, backend, runners)
             isolate_randomness(gm)
-            entries.append((program_key(ep), Entry(gm, sites, facts, admitted)))
+            entries.append((key, Entry(gm, sites, facts, admitted)))
             if record:
                 for k, v in facts.changed.items():
                     self._stats["passes"][k] = self._stats["passes"].get(k, 0) + v
+            if bar is not None:
+                bar.advance(note=f"lane {index}, program {i + 1}/{len(self._sites)}")
         rekey = {}
         for name, site in first.items():
             if site.live and self.state_rule:
@@ -303,6 +332,7 @@ class OptimizedProgram:
         """
         t0 = time.perf_counter()
         stats = {k: v for k, v in self._stats.items() if isinstance(v, int)}
+        bar = Progress("cadence_fx capture", sum(len(lane.catalog) for lane in self.lanes.lanes))
         for lane in self.lanes.lanes:
             with self.lanes.take(lane.index), lane.state.preserved() as restored, \
                     lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
@@ -314,8 +344,10 @@ class OptimizedProgram:
                             i = self._region_index[name]
                             flat[i] = lane.state.adopt(name, flat[i], site)
                     entry.gm(*flat)
+                    bar.advance(note=f"lane {lane.index}")
             if lane.stream is not None:
                 torch.cuda.current_stream(lane.stream.device).wait_stream(lane.stream)
+        bar.close()
         self._stats.update(stats)
         return {"seconds": time.perf_counter() - t0,
                 "classes": {name: dict(eng.classes) for name, eng in self.runners().items()}}
@@ -444,6 +476,11 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     if not eps:
         raise ContractError("optimize: no exported program given")
     return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state, lanes=lanes)
+
+
+def _check_lanes(lanes: object) -> None:
+    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
+        raise ValueError(f"lanes must be a positive int, got {lanes!r}")
 
 
 def _pick_backend(replay: Replay | Any) -> Any:

@@ -19,6 +19,7 @@ from torch.export import ExportedProgram
 
 from cadence_fx.contract import Contract
 from cadence_fx.plan import call_classes
+from cadence_fx.progress import Progress
 from cadence_fx.runtime.catalog import Catalog, reference
 
 __all__ = ["CatalogReference", "StreamingStep", "export_step_catalog", "run_stream", "signature"]
@@ -74,19 +75,24 @@ def export_step_catalog(step: StreamingStep, state: Mapping[str, torch.Tensor],
     calls: list[tuple] = []
     seen: set[tuple] = set()
     st = {k: v.clone() for k, v in state.items()}
-    for k in range(n):
-        args = step.next_args(fresh[k], st)
-        if signature(args) not in seen:
-            seen.add(signature(args))
-            calls.append(tuple(a.clone() for a in args))
-        with torch.no_grad():
-            outs = step(*args)
-        st = {name: t.clone() for name, t in step.carry(outs).items()}
-    _normalize_inference_tensors(step)
-    eps: list[ExportedProgram] = []
-    for args in calls:
-        with step.export_context(contract, granularity):
-            eps.append(torch.export.export(step, args))
+    # one line on stderr once it takes a while (the released Token2Wav catalog: about a minute)
+    with Progress("cadence_fx export", 2 * n) as bar:
+        for k in range(n):
+            args = step.next_args(fresh[k], st)
+            if signature(args) not in seen:
+                seen.add(signature(args))
+                calls.append(tuple(a.clone() for a in args))
+            with torch.no_grad():
+                outs = step(*args)
+            st = {name: t.clone() for name, t in step.carry(outs).items()}
+            bar.advance(note="eager walk")
+        bar.total = n + len(calls)
+        _normalize_inference_tensors(step)
+        eps: list[ExportedProgram] = []
+        for args in calls:
+            with step.export_context(contract, granularity):
+                eps.append(torch.export.export(step, args))
+            bar.advance(note="torch.export")
     return eps
 
 
