@@ -111,6 +111,8 @@ class _Initial:
     @classmethod
     def of(cls, t: torch.Tensor) -> "_Initial":
         t = t.detach()
+        if t.device.type == "meta":  # a module built on the meta device (planning, export timing): no values
+            return cls(t.shape, t.dtype, t.device, 0, None)
         if t.numel() and bool((t == t.reshape(-1)[0]).all()):
             return cls(t.shape, t.dtype, t.device, t.reshape(-1)[0].item(), None)
         return cls(t.shape, t.dtype, t.device, None, t.to("cpu", copy=True))
