@@ -295,11 +295,14 @@ def gate(rows: Iterable[dict], baseline: str = BASELINE) -> list[dict]:
     its run, lane and block (any baseline of the block where its lane ran none) and credited a
     ``speedup`` (baseline p50 / cell p50) only when exact; the baseline's own speedup is 1.0."""
     cells = [r for r in rows if "p50_ms" in r or "error" in r]
-    base = {_where(r): r for r in cells if r["name"] == baseline and "error" not in r}
+    bases = {r.get("baseline", baseline) for r in cells} | {baseline}
+    base = {(r["name"], *_where(r)): r for r in cells if r["name"] in bases and "error" not in r}
     for r in cells:
-        b = base.get(_where(r)) or next((v for (_run, _lane, blk), v in base.items() if blk == r.get("block", 0)), None)
+        own = r.get("baseline", baseline)  # a cell of another dtype path is gated against that path's stock cell
+        b = base.get((own, *_where(r))) or next((v for (n, _run, _lane, blk), v in base.items()
+                                                 if n == own and blk == r.get("block", 0)), None)
         r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
-        r["speedup"] = (1.0 if r["name"] == baseline and "error" not in r
+        r["speedup"] = (1.0 if r["name"] == own and "error" not in r
                         else b["p50_ms"] / r["p50_ms"] if r["bitexact"] else None)
     return cells
 
@@ -329,12 +332,20 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
         p50 = percentile((r["p50_ms"] for r in rs), 50)
         s = dict(run=run, p50_ms=p50, peak_mib=max((r.get("peak_mib") or 0) for r in rs),
                  warmup_s=rs[0].get("warmup_s"), bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}")
-        if name == baseline:
-            base_of[run] = s
-        b = base_of.get(run, {})
-        s["speedup"] = b["p50_ms"] / p50 if exact and name != baseline and b else None
-        if b.get("peak_mib") and s["peak_mib"]:
-            s["peak_vs_B0"] = s["peak_mib"] / b["peak_mib"] - 1
+        prof = next((r for r in rs if r.get("busy_ms") == r.get("busy_ms") and r.get("busy_ms") is not None), None)
+        if prof:  # the floor a launch-free schedule of the same kernels reaches, and how far the cell is from it
+            s.update(busy_ms=prof["busy_ms"], p50_over_busy=p50 / prof["busy_ms"] if prof["busy_ms"] else None,
+                     kernels_per_chunk=prof.get("kernels_per_chunk"))
+        own = rs[0].get("baseline", baseline)
+        if own != baseline:
+            s["baseline"] = own
+        if name in (baseline, own):
+            base_of[(name, run)] = s
+        b = base_of.get((own, run), {})
+        s["speedup"] = b["p50_ms"] / p50 if exact and name != own and b else None
+        b0 = base_of.get((baseline, run), {})
+        if b0.get("peak_mib") and s["peak_mib"]:
+            s["peak_vs_B0"] = s["peak_mib"] / b0["peak_mib"] - 1
         summary[key] = s
     return summary
 

@@ -17,7 +17,11 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
 - ``R``/``Rc``   replay at the step / chunk clock without the state rule;
 - ``SR``/``SRc`` both rules; at the chunk clock (``Rc``, ``SRc``) the CFM loop is keyed and replayed
   once per chunk, captured as one graph per solver step (the adapter's default);
-- ``SRc1``       ``SRc`` with the whole CFM loop captured as one graph (``step_segments=False``).
+- ``SRc1``       ``SRc`` with the whole CFM loop captured as one graph (``step_segments=False``);
+- ``B0h``        the stock driver's float16 switch (``Token2wav(float16=True)``: ``flow.half()``, the flow call
+                 under float16 autocast, HiFT in float32): the baseline of the float16 path;
+- ``SRch``       ``SRc`` of the same float16 step (its autocast blocks lowered to explicit casts by the
+                 ``inline_autocast`` pass), gated against ``B0h``.
 
 Process layout: **every cell runs in a fresh process**. Each builds the step from the benchmark seed
 and runs the prompt (the initial state); optimized cells then export the catalog (one static-shape
@@ -55,7 +59,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 
-STOCK_CELLS = ("B0", "vendor", "vendor_live", "compile")
+STOCK_CELLS = ("B0", "B0h", "vendor", "vendor_live", "compile")
+# the float16 path (``Token2wav(float16=True)``: the flow in half under autocast): its cells end in "h"
+# and are gated against B0h, the stock code with the switch on
+HALF_BASELINE = "B0h"
 OPT_CELLS = {
     "S": dict(state=True, replay="off", granularity="chunk"),
     "R": dict(state=False, replay="auto", granularity="step"),
@@ -65,6 +72,7 @@ OPT_CELLS = {
     # the whole CFM loop as one graph: nothing hides its launch, where SRc launches each solver step's
     # graph while the previous step's runs
     "SRc1": dict(state=True, replay="auto", granularity="chunk", step_segments=False),
+    "SRch": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
 EXPORT_SEED = 99  # token stream the catalog is exported from (not a benchmark block)
@@ -77,14 +85,19 @@ def _upstream():
     return load_stepaudio2(Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream")) / "minicpmo-0.1.2")
 
 
-def build_step(args, device: str):
-    """The stock step from the benchmark seed, on ``device``; returns (t2w, cfg, step, prompt)."""
+def build_step(args, device: str, *, float16: bool = False):
+    """The stock step from the benchmark seed, on ``device``; returns (t2w, cfg, step, prompt).
+
+    ``float16``: the stock driver's switch (``Token2wav(float16=True)``): the flow in half (same seeded
+    weights, cast), run under float16 autocast; the vocoder stays float32."""
     from cadence_fx.adapters import token2wav as t2w
 
     cfg = t2w.Token2WavConfig.reduced() if args.reduced else t2w.Token2WavConfig()
     torch.manual_seed(cfg.seed)
     up = _upstream()
-    step = t2w.Token2WavStep(t2w.build_flow(up, cfg), t2w.build_vocoder(up, cfg), cfg, driver="0.1.2").to(device).eval()
+    flow = t2w.build_flow(up, cfg)
+    step = t2w.Token2WavStep(flow.half() if float16 else flow, t2w.build_vocoder(up, cfg), cfg, driver="0.1.2",
+                             float16=float16).to(device).eval()
     return t2w, cfg, step, tuple(t.to(device) for t in t2w.example_prompt(cfg))
 
 
@@ -156,13 +169,14 @@ def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None
 def run_stock_cell(args, name: str) -> list[dict]:
     env = pin_envelope()
     device = pick_device()
-    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
+    half = name == HALF_BASELINE
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, float16=half)
     state0 = {k: v.cpu() for k, v in step.setup(tokens, mel, spk).items()}
-    extra: dict = {"lane": args.lane}
+    extra: dict = {"lane": args.lane, **({"baseline": HALF_BASELINE} if half else {})}
     fn = step.driver_call
     warm = 0.0
     counter = {"n": 0}
-    if name == "B0":
+    if name in ("B0", HALF_BASELINE):
         # the envelope check: the stock code must reproduce its own bytes before any comparison
         fresh = step.fresh(args.chunks, spk, seed=0)
         a = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
@@ -202,7 +216,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
     pin_envelope()
     spec = OPT_CELLS[name]
     device = pick_device()
-    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device)
+    half = spec.get("float16", False)
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, float16=half)
     state0 = step.setup(tokens, mel, spk)
     contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2",
                                       step_segments=spec.get("step_segments", False))
@@ -236,7 +251,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
                if v - before["rejections"].get(k, 0)}
         return f"replays {c['replays'] - before['replays']}, eager {c['eager'] - before['eager']}" + (f" {rej}" if rej else "")
 
-    rows = _blocks(args, name, prog, step, state0, spk, device, warm, prog.counters, describe, lane=args.lane,
+    gate = {"baseline": HALF_BASELINE} if half else {}
+    rows = _blocks(args, name, prog, step, state0, spk, device, warm, prog.counters, describe, lane=args.lane, **gate,
                    export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory)
     reports = {k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
                         staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
@@ -354,7 +370,7 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
               "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "optimize_s",
-              "memory", "capture_reports")  # what the --json report keeps of each row
+              "memory", "capture_reports", "baseline")  # what the --json report keeps of each row
 
 
 def main() -> None:

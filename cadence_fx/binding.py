@@ -8,6 +8,7 @@ plan and the passes see the same, already validated, view of the program.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.export import ExportedProgram
@@ -112,11 +113,20 @@ def module_paths(node: Node) -> list[str]:
 
 def _check_wrap_paths(ep: ExportedProgram, contract: Contract) -> None:
     seen: set[str] = set()
-    for n in ep.graph.nodes:
+    for n in _all_nodes(ep.graph_module):
         seen.update(module_paths(n))
     for field_name, paths in (("wrap", contract.wrap), ("split_at", contract.split_at)):
         for w in paths:
             _check_path(field_name, w, seen)
+
+
+def _all_nodes(gm: torch.nn.Module) -> Iterator[Node]:
+    """Every node of ``gm``'s graph and of the subgraphs its higher-order ops call (an autocast or
+    grad-mode block: the pipeline inlines them, so what they call is wrappable)."""
+    for n in gm.graph.nodes:
+        yield n
+        if n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.fx.GraphModule):
+            yield from _all_nodes(getattr(gm, str(n.target)))
 
 
 def _check_path(field_name: str, w: str, seen: set[str]) -> None:

@@ -11,6 +11,7 @@ from torch.fx import GraphModule
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import carry_writeback
 from cadence_fx.passes.hoist_constants import hoist_constants
+from cadence_fx.passes.inline_autocast import inline_autocast
 from cadence_fx.passes.inline_grad_regions import inline_grad_regions
 from cadence_fx.passes.mark_randomness import mark_randomness
 from cadence_fx.passes.mark_replay import mark_replay
@@ -21,6 +22,7 @@ from cadence_fx.passes.shrink_workspace import shrink_workspace
 
 PIPELINE = (
     inline_grad_regions,  # no_grad blocks inside the model -> plain code (the program never records grad)
+    inline_autocast,      # autocast blocks -> the explicit casts autocast makes (the float16 switch)
     hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
     carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
     ring_in_place,        # functional ring update (index_copy, scatter, ...) of a region -> in-place write of its buffer

@@ -119,7 +119,7 @@ def _workspace_of(node: object) -> Node | None:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+    return math.prod(shape) * dtype.itemsize  # bool and complex too (iinfo/finfo refuse them)
 
 
 

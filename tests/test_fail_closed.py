@@ -169,3 +169,41 @@ def test_quick_start_as_written_in_the_readme():
     namespace: dict = {}
     exec(compile(block.group(1), "README.md", "exec"), namespace)
     assert namespace["same"] is True
+
+
+def test_a_tensor_built_fresh_and_written_in_place_each_call_is_not_hoisted():
+    """A counter the step creates (``zeros``) and then increments in place every call (Moshi's per-frame
+    ring offset) is no constant: hoisted, the increment would land in one shared buffer and the
+    second call would start from the first call's value."""
+
+    class Counter(torch.nn.Module):
+        def forward(self, x):
+            c = torch.zeros(1, dtype=torch.long)
+            c.add_(1)
+            return x + c
+
+    ep = torch.export.export(Counter(), (torch.zeros(1, dtype=torch.long),))
+    prog = cf.optimize([ep], cf.Contract(clocks=(cf.Clock("f", 1),)), replay="off")
+    x = torch.zeros(1, dtype=torch.long)
+    for _ in range(3):
+        assert torch.equal(prog(x), ep.module()(x))
+
+
+def test_a_bool_region_is_planned():
+    """A one-element bool flag carried as state (a conv's "first frame" flag) is a region like any other."""
+
+    class Flag(torch.nn.Module):
+        def forward(self, x, first):
+            return x * first, torch.zeros_like(first)
+
+    ep = torch.export.export(Flag(), (torch.randn(1), torch.ones(1, dtype=torch.bool)))
+    contract = cf.Contract(clocks=(cf.Clock("f", 1),), regions=(cf.Region(
+        "first", input="first", output=1, clock="f", axis=0, order=None, retention=cf.Ring(1), initial=1),))
+    prog = cf.optimize([ep], contract, replay="off")
+    assert cf.plan([ep], contract).regions[0].stored_bytes == 1
+    x, first = torch.randn(1), torch.ones(1, dtype=torch.bool)
+    for _ in range(3):
+        out, nxt = prog(x, first)
+        ref, ref_next = ep.module()(x, first)
+        assert torch.equal(out, ref) and torch.equal(nxt, ref_next)
+        first = nxt

@@ -82,14 +82,19 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if not contract.hoist_constants:
         return gm
     graph = gm.graph
-    mutated = {view_root(n.args[0]) for n in graph.nodes if is_mutating(n) and n.args and isinstance(n.args[0], Node)}
+    # what the step writes in place is not constant: a weight it updates, and as much a tensor it builds
+    # fresh every call and then writes (a counter zeroed then incremented): hoisted, the write would
+    # land in the one shared buffer and the next call would start from the last call's value
+    mutated = {view_root(n.args[0]) for n in graph.nodes if is_mutating(n) and overload_name(n) not in _INERT_IN_PLACE
+               and n.args and isinstance(n.args[0], Node)}
     const: set[Node] = set()
     host_built: set[Node] = set()
     computes: set[Node] = set()  # const nodes whose cone runs at least one kernel (not only views of weights)
     for n in graph.nodes:
+        if view_root(n) in mutated:
+            continue
         if n.op == "get_attr":
-            if n not in mutated:
-                const.add(n)
+            const.add(n)
             continue
         name = overload_name(n)
         if n.op != "call_function" or (is_mutating(n) and name not in _INERT_IN_PLACE) or is_random(n):

@@ -9,6 +9,7 @@ device in there is hoisted like any other).
 from __future__ import annotations
 
 import operator
+from typing import Sequence
 
 import torch
 from torch.fx import GraphModule, Node
@@ -21,33 +22,39 @@ from cadence_fx.passes import PassContext
 def inline_grad_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Splice every ``wrap_with_set_grad_enabled`` subgraph into the parent graph."""
     hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-    graph = gm.graph
     inlined = 0
-    for node in list(graph.nodes):
+    for node in list(gm.graph.nodes):
         if hop is None or node.op != "call_function" or node.target is not hop:
             continue
-        sub = getattr(gm, node.args[1].target)
-        operands = node.args[2:]
-        val_map: dict[Node, object] = {}
-        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        for ph, arg in zip(phs, operands):
-            val_map[ph] = arg
-        with graph.inserting_before(node):
-            for inner in sub.graph.nodes:
-                if inner.op == "get_attr":
-                    attr = register_tensor(gm, INLINED_PREFIX, getattr(sub, inner.target))
-                    val_map[inner] = graph.get_attr(attr)
-            result = graph.graph_copy(sub.graph, val_map)
-        outs = result if isinstance(result, (tuple, list)) else (result,)
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(outs[user.args[1]])
-                graph.erase_node(user)
-            else:
-                user.replace_input_with(node, outs[0] if len(outs) == 1 else node)
-        if not node.users:
-            graph.erase_node(node)
-            inlined += 1
-    graph.eliminate_dead_code()
+        splice_subgraph(gm, node, getattr(gm, node.args[1].target), node.args[2:])
+        inlined += 1
+    gm.graph.eliminate_dead_code()
     ctx.record("inline_grad_regions", inlined)
     return gm
+
+
+def splice_subgraph(gm: GraphModule, node: Node, sub: GraphModule, operands: Sequence[object]) -> None:
+    """Copy ``sub``'s graph into ``gm``'s in place of the call ``node`` (``operands`` feed ``sub``'s
+    placeholders in order), re-point the users of ``node`` (its ``getitem`` s) at the copied outputs,
+    then erase ``node``. Tensors ``sub`` reads through ``get_attr`` are registered on ``gm``."""
+    graph = gm.graph
+    val_map: dict[Node, object] = {}
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for ph, arg in zip(phs, operands):
+        val_map[ph] = arg
+    with graph.inserting_before(node):
+        for inner in sub.graph.nodes:
+            if inner.op == "get_attr":
+                attr = register_tensor(gm, INLINED_PREFIX, getattr(sub, inner.target))
+                val_map[inner] = graph.get_attr(attr)
+        result = graph.graph_copy(sub.graph, val_map)
+    outs = result if isinstance(result, (tuple, list)) else (result,)
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+        else:
+            user.replace_input_with(node, outs[0] if len(outs) == 1 else node)
+    if node.users:
+        raise ValueError(f"splice_subgraph: {node.name} is used other than through getitem")
+    graph.erase_node(node)

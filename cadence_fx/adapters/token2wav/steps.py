@@ -124,11 +124,15 @@ class Token2WavStep(StreamingStep):
     """
 
     def __init__(self, flow: nn.Module, vocoder: nn.Module | None, cfg: Token2WavConfig, *,
-                 driver: Driver = "0.1.2", n_timesteps: int | None = None) -> None:
+                 driver: Driver = "0.1.2", n_timesteps: int | None = None, float16: bool = False) -> None:
         super().__init__()
         if driver not in ("0.1.2", "1.0.7"):
             raise ValueError(f"driver must be '0.1.2' or '1.0.7', got {driver!r}")
+        if float16 and any(p.dtype != torch.float16 for p in flow.parameters()):
+            raise ValueError("Token2WavStep(float16=True) needs the flow in half (Token2wav(float16=True) calls "
+                             "flow.half()): pass flow.half()")
         self.flow = flow
+        self.float16 = float16
         self.vocoder = VocoderCall(vocoder) if vocoder is not None else None
         self.cfg = cfg
         self.driver = driver
@@ -149,8 +153,9 @@ class Token2WavStep(StreamingStep):
         cfg = self.cfg
         cache = {"conformer_cnn_cache": kw["conformer_cnn"], "conformer_att_cache": kw["conformer_att"],
                  "estimator_cnn_cache": kw["estimator_cnn"], "estimator_att_cache": kw["estimator_att"]}
-        chunk_mel, cache = inference_chunk(token=kw["token"], spk=kw["spk"], cache=cache, last_chunk=False,
-                                           n_timesteps=self.n_timesteps)
+        with self._autocast(kw["spk"]):
+            chunk_mel, cache = inference_chunk(token=kw["token"], spk=kw["spk"], cache=cache, last_chunk=False,
+                                               n_timesteps=self.n_timesteps)
         est = trim_estimator_cache(cache["estimator_att_cache"], cfg.prompt_frames, cfg.history_frames)
         conf = trim_conformer_cache(cache["conformer_att_cache"], cfg.prompt_frames, cfg.history_frames,
                                     driver=self.driver, depth=len(_upstream(self.flow.encoder).encoders))
@@ -160,6 +165,15 @@ class Token2WavStep(StreamingStep):
         speech, mel_c, src_c, sp_c = hift_stream(hift, chunk_mel, kw["mel_cache"], kw["source_cache"],
                                                  kw["speech_cache"], self.speech_window, cfg)
         return (speech, chunk_mel, *flow_state, mel_c, src_c, sp_c)
+
+    def _autocast(self, like: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The driver's ``autocast(float16, enabled=float16)`` around the flow calls (``Token2wav.stream``
+        and, in 1.0.7, ``set_stream_cache``), on the device the step runs on: only the flow is in half,
+        the vocoder runs in float32 outside it. Off, nothing is entered (0.1.2 enters a float32
+        autocast, which CUDA disables: same ops)."""
+        if not self.float16:
+            return contextlib.nullcontext()
+        return torch.amp.autocast(like.device.type, dtype=torch.float16)
 
     def forward(self, token: torch.Tensor, spk: torch.Tensor, conformer_cnn: torch.Tensor,
                 conformer_att: torch.Tensor, estimator_cnn: torch.Tensor, estimator_att: torch.Tensor,
@@ -220,7 +234,7 @@ class Token2WavStep(StreamingStep):
                              device=prompt_tokens.device)
         else:
             pad = prompt_tokens[:, :cfg.pre_lookahead_len]
-        with torch.inference_mode():
+        with torch.inference_mode(), self._autocast(spk):
             cache = self.flow.setup_cache(torch.cat([prompt_tokens, pad], dim=1), prompt_mel, spk,
                                           n_timesteps=self.n_timesteps)
         state = {"conformer_cnn": cache["conformer_cnn_cache"], "conformer_att": cache["conformer_att_cache"],
