@@ -14,9 +14,13 @@
 # cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# once per machine: queues started side by side must not install into one folder at the same time
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  if [ ! -e /tmp/site/.installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && touch /tmp/site/.installed
+  fi
+  export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CADENCE_FX_UPSTREAM="$PWD/.upstream" PYTHONUNBUFFERED=1
 OUT="${OUT:-.out}"
