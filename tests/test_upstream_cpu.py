@@ -367,3 +367,26 @@ def test_driver_state_handling_gives_the_stock_call_bytes(cfg):
     torch.manual_seed(11)
     driver = run_stream(step.driver_call, step, state, fresh)
     assert sha256_tensors([t for c in cloned for t in c]) == sha256_tensors([t for c in driver for t in c])
+
+
+def test_full_step_0_1_2_float16():
+    """The stock float16 switch (``Token2wav(float16=True)``: the flow in half, its calls under float16
+    autocast, HiFT in float32): the autocast block is lowered by ``inline_autocast`` and the optimized
+    stream equals the unmodified programs and the stock driver, bit for bit (CPU autocast). One solver
+    step keeps the CPU suite short; the float16 path is the same at every step."""
+    cfg = Token2WavConfig.reduced(n_timesteps=1)
+    up = upstream("0.1.2")
+    step = Token2WavStep(build_flow(up, cfg).half(), build_vocoder(up, cfg), cfg, driver="0.1.2", float16=True).eval()
+    prompt = example_prompt(cfg)
+    state = step.setup(*prompt)
+    assert state["estimator_att"].dtype == torch.float16 and state["mel_cache"].dtype == torch.float32
+    fresh = step.fresh(4, prompt[2], seed=2)
+    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
+    eps = export_step_catalog(step, state, fresh, contract, granularity="chunk")
+    torch.manual_seed(7)
+    stock = run_stream(step.driver_call, step, state, fresh)
+    prog, ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, replay="off", seed=7)
+    assert prog.stats["passes"]["inline_autocast"] == len(eps)
+    assert sha256_tensors([t for c in stock for t in c]) == sha256_tensors([t for c in ref for t in c])
+    with pytest.raises(ValueError, match="half"):
+        Token2WavStep(build_flow(up, cfg), None, cfg, float16=True)
