@@ -27,7 +27,11 @@ stack from the benchmark seed, and streams ``--frames`` frames of seeded noise a
 from the initial state, with the same sampling seed. Optimized cells export the three steps, optimize
 them, free the upstream modules' own copy of the state (the program owns it) and warm up (capture)
 before the stream. The gate: SHA-256 of every frame's tokens (text token + audio codes) and PCM
-against B0's; a cell whose bytes differ is NOT EXACT and gets no speedup. Reported per cell: p50/p95
+against B0's; a cell whose bytes differ is NOT EXACT and gets no speedup. Each row keeps every frame's
+tokens and a short digest of every frame's PCM (raw rows only, ``--rows``), so the report says for each
+cell where its stream parts from B0's: the first frame whose tokens differ and in which entry (text or
+audio codebook K), and the first frame whose PCM differs; and which kernels its profiled frame runs more
+or fewer times than B0's (``kernel_diff``). Reported per cell: p50/p95
 ms per frame (encode + LM + decode, each stage synchronised so its time is known) and of the LM step
 alone, peak MiB (``torch.cuda.max_memory_allocated`` from the moment the cell is ready to serve:
 weights, state, graph pools, warm-up included; building, export and optimize excluded, for every cell
@@ -68,6 +72,8 @@ OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay=
 STAGES = ("encode", "lm", "decode")
 SAMPLING_SEED = 1234
 AUDIO_SEED = 99
+PCM_DIGEST = 12  # hex digits of each frame's PCM digest kept in a row
+KERNEL_NAME = 96  # characters of a kernel's name kept in the per-name count
 
 
 def pick_device() -> str:
@@ -101,7 +107,9 @@ def stream(stages: dict[str, Callable[[torch.Tensor], torch.Tensor]], pcm: list[
     """Run every frame through ``stages`` (encode, lm, decode), each stage synchronised and timed.
 
     Returns per-frame and per-stage milliseconds and the SHA-256 of the tokens, of the PCM and of both
-    (frame by frame: tokens, then PCM where there is any), copied to the host outside the timings.
+    (frame by frame: tokens, then PCM where there is any), copied to the host outside the timings; and,
+    to say where two streams part, every frame's tokens (``frame_tokens``: small ints, ``B * (1 + dep_q)``
+    per frame) and a short digest of every frame's PCM (``frame_pcm``, ``None`` before the first decode).
     """
     torch.manual_seed(SAMPLING_SEED)
     if device == "cuda":
@@ -122,19 +130,52 @@ def stream(stages: dict[str, Callable[[torch.Tensor], torch.Tensor]], pcm: list[
             if out is not None:
                 audio.append(out.to("cpu", copy=True))
                 both.append(audio[-1])
+    pcm_at = iter(audio)
     return dict(ms=ms, sha256=sha256_tensors(both), sha256_tokens=sha256_tensors(tokens),
-                sha256_pcm=sha256_tensors(audio), first_tokens=[t.flatten().tolist() for t in tokens[:4]])
+                sha256_pcm=sha256_tensors(audio), first_tokens=[t.flatten().tolist() for t in tokens[:4]],
+                frame_tokens=[t.flatten().tolist() for t in tokens], tokens_shape=list(tokens[0].shape[:2]),
+                frame_pcm=[None if k < max_delay else sha256_tensors(next(pcm_at))[:PCM_DIGEST]
+                           for k in range(len(tokens))])
 
 
-def _profile(stages, x: torch.Tensor) -> dict[str, float]:
-    """Kernels and launches of one more frame, after the timed stream (so profiling distorts no timing)."""
+def _profile(stages, x: torch.Tensor) -> dict[str, Any]:
+    """Kernels and launches of one more frame, after the timed stream (so profiling distorts no timing),
+    counted as ``harness.profile_calls`` counts them, and the frame's kernels by name (``kernel_names``,
+    to say which kernels a cell runs that B0 does not)."""
+    nan = float("nan")
+    if not torch.cuda.is_available():
+        return {"launches": nan, "kernels": nan, "busy_ms": nan}
+    from collections import Counter
 
-    def frame():
-        with torch.no_grad():
-            tok = stages["lm"](stages["encode"](x))
-            stages["decode"](tok[:, 1:])
+    from torch.profiler import ProfilerActivity, profile
 
-    return harness.profile_calls(frame, calls=1)
+    harness.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        tok = stages["lm"](stages["encode"](x))
+        stages["decode"](tok[:, 1:])
+        harness.sync()
+    launches = 0
+    busy_us = 0.0
+    names: Counter = Counter()
+    for ev in prof.events():
+        if ev.name in harness._LAUNCH_APIS:
+            launches += 1
+        elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name \
+                and "Memset" not in ev.name:
+            names[ev.name[:KERNEL_NAME]] += 1
+            busy_us += ev.time_range.elapsed_us()
+    return {"launches": launches, "kernels": sum(names.values()), "busy_ms": busy_us / 1e3,
+            "kernel_names": dict(names)}
+
+
+def kernel_diff(row: dict, base: dict, top: int = 12) -> dict[str, int] | None:
+    """Kernels per frame by name that ``row`` runs more (+) or fewer (-) times than ``base`` (the largest
+    ``top`` differences); ``None`` without a per-name count."""
+    a, b = row.get("kernel_names"), (base or {}).get("kernel_names")
+    if not a or not b:
+        return None
+    diff = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b) if a.get(k, 0) != b.get(k, 0)}
+    return dict(sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top])
 
 
 def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", **extra) -> dict:
@@ -145,7 +186,9 @@ def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", 
                peak_mib=harness.peak_mib(), kernels_per_chunk=prof.get("kernels", nan),
                launches_per_chunk=prof.get("launches", nan), busy_ms=prof.get("busy_ms", nan), warmup_s=warm,
                sha256=res["sha256"], sha256_tokens=res["sha256_tokens"], sha256_pcm=res["sha256_pcm"],
-               first_tokens=res["first_tokens"], frames=len(ms["frame"]), notes=notes, ms=ms["frame"], **extra)
+               first_tokens=res["first_tokens"], frames=len(ms["frame"]), notes=notes, ms=ms["frame"],
+               frame_tokens=res["frame_tokens"], tokens_shape=res["tokens_shape"], frame_pcm=res["frame_pcm"],
+               kernel_names=prof.get("kernel_names"), **extra)
     for stage in STAGES:
         row[f"{stage}_p50_ms"] = harness.percentile(ms[stage], 50)
         row[f"{stage}_p95_ms"] = harness.percentile(ms[stage], 95)
@@ -280,8 +323,8 @@ def _state_info(prog, contract, state_rule: bool) -> dict:
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "encode_p50_ms", "encode_p95_ms", "lm_p50_ms",
               "lm_p95_ms", "decode_p50_ms", "decode_p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
-              "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "bitexact", "speedup",
-              "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
+              "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "divergence", "kernel_diff",
+              "bitexact", "speedup", "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
               "released_stock_state_mib", "memory", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
 
 
@@ -311,6 +354,14 @@ def report(cells: list[dict], args) -> None:
         if "error" not in r:
             print(f"{r['name']:<10}{r['lm_p50_ms']:>9.2f}{r['lm_p95_ms']:>9.2f}{r['encode_p50_ms']:>9.2f}"
                   f"{r['decode_p50_ms']:>9.2f}  {r['sha256_tokens'][:12]} / {r['sha256_pcm'][:12]}")
+    for r in cells:
+        if "error" not in r and r["name"] != harness.BASELINE:
+            r["divergence"] = divergence(r, base)
+            print(f"{r['name']:<10}vs {harness.BASELINE}: {describe(r['divergence'])}")
+            r["kernel_diff"] = kernel_diff(r, base)
+            if r["kernel_diff"]:
+                print(f"{'':<10}kernels per frame vs {harness.BASELINE}: " + "; ".join(
+                    f"{v:+d} {k}" for k, v in r["kernel_diff"].items()))
     targets = _targets(cells)
     print("targets:", json.dumps(targets, indent=1))
     if args.json:
@@ -318,6 +369,45 @@ def report(cells: list[dict], args) -> None:
                                            date=str(date.today()), frames=args.frames, envelope=base.get("envelope"),
                                            cells=[{k: r[k] for k in ROW_FIELDS if k in r} for r in cells],
                                            summary=harness.summarize(cells), targets=targets))
+
+
+def divergence(row: dict, base: dict) -> dict | None:
+    """Where ``row``'s stream parts from ``base``'s: the first frame whose tokens differ and which entries
+    (``text`` or ``audio K``, with the batch index when there is more than one stream), how many frames'
+    tokens differ, and the first frame whose PCM differs. ``None`` where either row has no per-frame record
+    (rows of an older benchmark)."""
+    if not base or "frame_tokens" not in row or "frame_tokens" not in base:
+        return None
+    b, per = base.get("tokens_shape") or [1, len(base["frame_tokens"][0])]
+    rt, bt = row["frame_tokens"], base["frame_tokens"]
+    differ = [k for k, (x, y) in enumerate(zip(rt, bt)) if x != y]
+    out: dict[str, Any] = {"frames": min(len(rt), len(bt)), "token_frames_differ": len(differ),
+                           "first_token_frame": differ[0] if differ else None, "first_token_entries": None}
+    if differ:
+        x, y = rt[differ[0]], bt[differ[0]]
+        out["first_token_entries"] = [("text" if i % per == 0 else f"audio {i % per - 1}")
+                                      + (f" (stream {i // per})" if b > 1 else "")
+                                      for i in range(len(x)) if x[i] != y[i]]
+    rp, bp = row.get("frame_pcm") or [], base.get("frame_pcm") or []
+    pcm = [k for k, (x, y) in enumerate(zip(rp, bp)) if x != y]
+    out["first_pcm_frame"] = pcm[0] if pcm else None
+    out["pcm_frames_differ"] = len(pcm)
+    # PCM that parts before the tokens do (or with equal tokens) is Mimi's decode itself, not the LM
+    out["pcm_before_tokens"] = bool(pcm) and (not differ or pcm[0] < differ[0])
+    return out
+
+
+def describe(d: dict | None) -> str:
+    if d is None:
+        return "no per-frame record"
+    if d["first_token_frame"] is None and d["first_pcm_frame"] is None:
+        return f"identical over {d['frames']} frames"
+    tok = ("tokens identical" if d["first_token_frame"] is None else
+           f"tokens first differ at frame {d['first_token_frame']} ({', '.join(d['first_token_entries'])}), "
+           f"{d['token_frames_differ']} frames differ")
+    pcm = ("PCM identical" if d["first_pcm_frame"] is None else
+           f"PCM first differs at frame {d['first_pcm_frame']} ({d['pcm_frames_differ']} frames)")
+    return f"{tok}; {pcm}" + (" [PCM parts first: Mimi decode]" if d["pcm_before_tokens"] else "")
 
 
 def _targets(cells: list[dict]) -> dict:

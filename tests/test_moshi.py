@@ -230,3 +230,37 @@ def test_another_moshi_release_is_refused():
     _upstream()
     with pytest.raises(RuntimeError, match=r"written against moshi 9\.9"):
         mo.load_moshi(version="9.9")
+
+
+def test_benchmark_rows_say_where_two_streams_part(stack):
+    """benchmarks/moshi.py keeps every frame's tokens and a digest of its PCM, and reports, per cell
+    against B0, the first frame whose tokens differ (which entry: text or audio codebook) and the first
+    frame whose PCM differs."""
+    from benchmarks import moshi as bm
+
+    steps = stack.steps
+    for n in NAMES:
+        mo.install_state(getattr(steps, n), steps.initial_state()[n])
+    mimi, gen = steps.decode.module, steps.lm.gen
+    stages = {"encode": mimi.encode, "lm": lambda c: steps.lm.as_tokens(gen.step(c), 1, "cpu"), "decode": mimi.decode}
+    with mo.upstream_eager(stack.up):
+        res = bm.stream(stages, stack.pcm, steps.max_delay, "cpu")
+    per = 1 + gen.lm_model.dep_q
+    assert len(res["frame_tokens"]) == FRAMES and all(len(t) == per for t in res["frame_tokens"])
+    assert res["tokens_shape"] == [1, per] and res["frame_tokens"][0] == [-2] * per
+    assert res["frame_pcm"][0] is None and all(len(d) == bm.PCM_DIGEST for d in res["frame_pcm"][1:])
+    base = dict(res, name="B0")
+    assert bm.describe(bm.divergence(dict(base), base)) == f"identical over {FRAMES} frames"
+    tokens = [list(t) for t in res["frame_tokens"]]
+    tokens[5][2] += 1  # audio codebook 1 (entry 0 is the text token)
+    tokens[6][0] += 1
+    pcm = list(res["frame_pcm"])
+    pcm[3] = "0" * bm.PCM_DIGEST
+    d = bm.divergence(dict(base, frame_tokens=tokens, frame_pcm=pcm), base)
+    assert (d["first_token_frame"], d["first_token_entries"], d["token_frames_differ"]) == (5, ["audio 1"], 2)
+    assert (d["first_pcm_frame"], d["pcm_frames_differ"], d["pcm_before_tokens"]) == (3, 1, True)
+    no_record = {k: v for k, v in base.items() if k != "frame_tokens"}  # a row of an older benchmark
+    assert bm.divergence(dict(base, frame_tokens=tokens), no_record) is None
+    # and which kernels a cell's profiled frame runs more or fewer times than B0's
+    got = bm.kernel_diff({"kernel_names": {"gemm": 3, "reduce": 1}}, {"kernel_names": {"gemm": 1, "fill": 2}})
+    assert got == {"fill": -2, "gemm": 2, "reduce": 1}
