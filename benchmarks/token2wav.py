@@ -22,6 +22,22 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
                  under float16 autocast, HiFT in float32): the baseline of the float16 path;
 - ``SRch``       ``SRc`` of the same float16 step (its autocast blocks lowered to explicit casts by the
                  ``inline_autocast`` pass), gated against ``B0h``.
+- ``B0n``        the 1.0.7 driver as it ships (``minicpmo-utils-1.0.7``): the flow step with the 1.0.7 trims
+                 (``Token2WavStep(flow, None, cfg, driver="1.0.7")``, ``driver_call``: no extra copies), then
+                 its own ``BoundedVocoder`` on the chunk's mel, eagerly (``bounded_vocoder_stream``; a causal
+                 HiFT with seeded random weights, ``build_causal_vocoder``); the PCM it returns per chunk is
+                 hashed. The baseline of the 1.0.7 path;
+- ``SRcn``       the same stream with the flow step as ``SRc`` (state rule, chunk clock, one graph per solver
+                 step; the 1.0.7 conformer cache passes through unmanaged) and the ``BoundedVocoder``'s
+                 stateless ``decode`` replayed (``replay_bounded_vocoder``: exported per shape seen on six
+                 example mel chunks, optimized, captured before the blocks; a call outside that catalog runs
+                 the stock ``decode``, counted in the notes); its host bookkeeping stays stock. Gated against
+                 ``B0n``. The vocoder's state is its cache dict (offsets on the host, histories on the
+                 device): each block starts from a copy of the reset dict, and the restore block's snapshot
+                 deep-copies it with the flow state (the dict the 1.0.7 driver restores on a turn reset).
+                 The decode's export, optimize and capture run after the peak counter starts (with the warm-up;
+                 small next to the flow's); rows carry ``vocoder`` (replay seconds, catalog size, the signatures
+                 that ran stock).
 
 Process layout: **every cell runs in a fresh process**. Each builds the step from the benchmark seed
 and runs the prompt (the initial state); optimized cells then export the catalog (one static-shape
@@ -59,10 +75,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 
-STOCK_CELLS = ("B0", "B0h", "vendor", "vendor_live", "compile")
+STOCK_CELLS = ("B0", "B0h", "B0n", "vendor", "vendor_live", "compile")
 # the float16 path (``Token2wav(float16=True)``: the flow in half under autocast): its cells end in "h"
 # and are gated against B0h, the stock code with the switch on
 HALF_BASELINE = "B0h"
+# the 1.0.7 driver (its BoundedVocoder after the flow step): cells ending in "n", gated against B0n
+NEW_BASELINE = "B0n"
 OPT_CELLS = {
     "S": dict(state=True, replay="off", granularity="chunk"),
     "R": dict(state=False, replay="auto", granularity="step"),
@@ -73,32 +91,91 @@ OPT_CELLS = {
     # graph while the previous step's runs
     "SRc1": dict(state=True, replay="auto", granularity="chunk", step_segments=False),
     "SRch": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True),
+    "SRcn": dict(state=True, replay="auto", granularity="chunk", step_segments=True, driver="1.0.7"),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
 EXPORT_SEED = 99  # token stream the catalog is exported from (not a benchmark block)
+UPSTREAM_FOLDERS = {"0.1.2": "minicpmo-0.1.2", "1.0.7": "minicpmo-utils-1.0.7"}
+VOCODER_EXAMPLE_CHUNKS = 6  # mel chunks streamed to find the BoundedVocoder's decode shapes (SRcn)
 
 
 # --------------------------------------------------------------------------- building
-def _upstream():
+def _upstream(driver: str = "0.1.2"):
     from cadence_fx.adapters.upstream import load_stepaudio2
 
-    return load_stepaudio2(Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream")) / "minicpmo-0.1.2")
+    root = Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream"))
+    return load_stepaudio2(root / UPSTREAM_FOLDERS[driver])
 
 
-def build_step(args, device: str, *, float16: bool = False):
+def build_step(args, device: str, *, float16: bool = False, driver: str = "0.1.2"):
     """The stock step from the benchmark seed, on ``device``; returns (t2w, cfg, step, prompt).
 
     ``float16``: the stock driver's switch (``Token2wav(float16=True)``): the flow in half (same seeded
-    weights, cast), run under float16 autocast; the vocoder stays float32."""
+    weights, cast), run under float16 autocast; the vocoder stays float32. ``driver="1.0.7"``: the
+    1.0.7 release's flow and trims, no vocoder in the step (its ``BoundedVocoder`` runs after the step:
+    :func:`build_bounded`, :class:`BoundedStream`)."""
     from cadence_fx.adapters import token2wav as t2w
 
     cfg = t2w.Token2WavConfig.reduced() if args.reduced else t2w.Token2WavConfig()
     torch.manual_seed(cfg.seed)
-    up = _upstream()
+    up = _upstream(driver)
     flow = t2w.build_flow(up, cfg)
-    step = t2w.Token2WavStep(flow.half() if float16 else flow, t2w.build_vocoder(up, cfg), cfg, driver="0.1.2",
+    vocoder = t2w.build_vocoder(up, cfg) if driver == "0.1.2" else None
+    step = t2w.Token2WavStep(flow.half() if float16 else flow, vocoder, cfg, driver=driver,
                              float16=float16).to(device).eval()
     return t2w, cfg, step, tuple(t.to(device) for t in t2w.example_prompt(cfg))
+
+
+def build_bounded(cfg, device: str):
+    """The 1.0.7 ``BoundedVocoder`` (seeded causal HiFT) on ``device``, reset as ``set_stream_cache`` leaves
+    it. As ``load_causal_vocoder`` does, only the model moves (``.float().to(device)``); the oscillator's
+    noise table (a plain attribute) stays on the host."""
+    from cadence_fx.adapters import token2wav as t2w
+
+    up = _upstream("1.0.7")
+    hift = t2w.build_causal_vocoder(up, cfg).model
+    return t2w.new_bounded_stream(up, hift.float().to(device).eval())
+
+
+class BoundedStream:
+    """The 1.0.7 stream as one call: the flow step (``flow_fn``: the stock ``driver_call`` or the optimized
+    program), then the ``BoundedVocoder`` on its mel as ``Token2wav._stream_vocode`` runs it. Outputs
+    ``(speech, mel, flow state...)``; the flow state is carried as the step carries it.
+
+    The vocoder's state is host-side, outside the carried tensors: its cache dict, mutated in place
+    (``fill_``, ``zero_``) and replaced between calls. :meth:`host_snapshot` deep-copies it to the host
+    (every tensor cloned, with the device it lives on, and the ``maxima`` bookkeeping);
+    :meth:`host_restore` installs a copy on those devices, as the 1.0.7 driver restores the dict on a
+    turn reset. Each block starts from the reset dict (:attr:`host_initial`)."""
+
+    def __init__(self, step, vocoder, flow_fn) -> None:
+        self.step, self.vocoder, self.flow_fn = step, vocoder, flow_fn
+        self.inputs = step.inputs
+        self.host_initial = self.host_snapshot()
+
+    def fresh(self, *a, **kw):
+        return self.step.fresh(*a, **kw)
+
+    def next_args(self, fresh, state):
+        return self.step.next_args(fresh, state)
+
+    def carry(self, outputs):
+        return self.step.carry(outputs[1:])
+
+    def __call__(self, *args):
+        from cadence_fx.adapters.token2wav import bounded_vocoder_stream
+
+        out = self.flow_fn(*args)
+        return (bounded_vocoder_stream(self.vocoder, out[0], self.step.cfg), *out)
+
+    def host_snapshot(self) -> tuple[dict, dict]:
+        cache = {k: (v.to("cpu", copy=True), v.device) for k, v in self.vocoder.cache.items()}
+        return cache, dict(self.vocoder.maxima)
+
+    def host_restore(self, snapshot: tuple[dict, dict]) -> None:
+        cache, maxima = snapshot
+        self.vocoder.cache = {k: v.to(dev, copy=True) for k, (v, dev) in cache.items()}
+        self.vocoder.maxima = dict(maxima)
 
 
 def pick_device() -> str:
@@ -112,10 +189,16 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
     if device == "cuda":
         torch.cuda.manual_seed(seed)
     st = {k: v.to(device, copy=True) for k, v in state0.items()}
+    # state held outside the carried tensors (the 1.0.7 BoundedVocoder's cache dict): restored with them
+    host = hasattr(step, "host_restore")
+    if host:
+        step.host_restore(step.host_initial)
     pcm, ms, snapshot = [], [], None
     for k, f in enumerate(fresh):
         if restore and k == RESTORE_AT:
             st = {n: t.to(device, copy=True) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
+            if host:
+                step.host_restore(host_snapshot)
         args = step.next_args(f, st)
         with torch.no_grad():
             out, t = harness.timed(fn, *args)
@@ -125,6 +208,7 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
         del out, args
         if restore and k == RESTORE_SNAPSHOT:
             snapshot = {n: t.to("cpu", copy=True) for n, t in st.items()}
+            host_snapshot = step.host_snapshot() if host else None
     prof = None
     if profile:  # one extra call after the timed stream, so profiling never distorts a timing
         args = step.next_args(fresh[-1], st)
@@ -170,13 +254,17 @@ def run_stock_cell(args, name: str) -> list[dict]:
     env = pin_envelope()
     device = pick_device()
     half = name == HALF_BASELINE
-    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, float16=half)
+    driver = "1.0.7" if name == NEW_BASELINE else "0.1.2"
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, float16=half, driver=driver)
     state0 = {k: v.cpu() for k, v in step.setup(tokens, mel, spk).items()}
-    extra: dict = {"lane": args.lane, **({"baseline": HALF_BASELINE} if half else {})}
+    own = {HALF_BASELINE: HALF_BASELINE, NEW_BASELINE: NEW_BASELINE}.get(name)
+    extra: dict = {"lane": args.lane, **({"baseline": own} if own else {})}
     fn = step.driver_call
+    if driver == "1.0.7":  # the stream: the step, then its BoundedVocoder on the step's mel, eagerly
+        step = fn = BoundedStream(step, build_bounded(cfg, device), step.driver_call)
     warm = 0.0
     counter = {"n": 0}
-    if name in ("B0", HALF_BASELINE):
+    if name in ("B0", HALF_BASELINE, NEW_BASELINE):
         # the envelope check: the stock code must reproduce its own bytes before any comparison
         fresh = step.fresh(args.chunks, spk, seed=0)
         a = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
@@ -217,14 +305,16 @@ def run_opt_cell(args, name: str) -> list[dict]:
     spec = OPT_CELLS[name]
     device = pick_device()
     half = spec.get("float16", False)
-    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, float16=half)
+    driver = spec.get("driver", "0.1.2")
+    hift = driver == "0.1.2"  # 1.0.7: no vocoder in the step (its BoundedVocoder runs after it)
+    t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, float16=half, driver=driver)
     state0 = step.setup(tokens, mel, spk)
-    contract = t2w.token2wav_contract(cfg, spec["granularity"], driver="0.1.2",
+    contract = t2w.token2wav_contract(cfg, spec["granularity"], driver=driver, vocoder=hift,
                                       step_segments=spec.get("step_segments", False))
     t0 = time.perf_counter()
     # the "step" routing installs both the CFM-loop and the estimator proxies: one export serves both clocks
     eps = t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED),
-                                  t2w.token2wav_contract(cfg, "step", driver="0.1.2"), granularity="step")
+                                  t2w.token2wav_contract(cfg, "step", driver=driver, vocoder=hift), granularity="step")
     export_s = time.perf_counter() - t0
     state0 = {k: v.cpu() for k, v in state0.items()}
     t0 = time.perf_counter()
@@ -240,25 +330,56 @@ def run_opt_cell(args, name: str) -> list[dict]:
     if args.memory_top and device == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
+    fn, counts, decode, vocoder = prog, prog.counters, None, {}
+    if not hift:
+        # the 1.0.7 BoundedVocoder after the step, its decode exported per shape seen on example mel,
+        # optimized and captured here (warm-up, not timed); the mel values do not matter, only the shapes
+        from cadence_fx.adapters.bounded_vocoder import replay_bounded_vocoder
+
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(EXPORT_SEED)
+        example = [torch.randn(1, cfg.mel_channels, cfg.chunk_frames, generator=g).to(device)
+                   for _ in range(VOCODER_EXAMPLE_CHUNKS)]
+        bounded = build_bounded(cfg, device)
+        decode = replay_bounded_vocoder(bounded, example, replay=spec["replay"])
+        vocoder = dict(replay_s=time.perf_counter() - t0, decode_catalog=len(decode.catalog))
+        warm += vocoder["replay_s"]
+        fn = step = BoundedStream(step, bounded, prog)
+        counts = lambda: dict(flow=prog.counters(), decode=decode.counters())  # noqa: E731
     if args.memory_top and device == "cuda":
         _write_memory_top(args.memory_top, name)
     if device == "cuda":
         memory.update(after_warmup_mib=torch.cuda.memory_allocated() / 2**20,
                       warmup_peak_mib=torch.cuda.max_memory_allocated() / 2**20, **_census_mib(prog))
 
-    def describe(before, c):
+    def flow_note(before, c):
         rej = {k: v - before["rejections"].get(k, 0) for k, v in c["rejections"].items()
                if v - before["rejections"].get(k, 0)}
         return f"replays {c['replays'] - before['replays']}, eager {c['eager'] - before['eager']}" + (f" {rej}" if rej else "")
 
-    gate = {"baseline": HALF_BASELINE} if half else {}
-    rows = _blocks(args, name, prog, step, state0, spk, device, warm, prog.counters, describe, lane=args.lane, **gate,
-                   export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory)
-    reports = {k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
-                        staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
-                   for r in eng.classes.values()] + [dict(refused=reason) for reason in set(eng.refusals().values())]
-               for k, eng in prog.runners().items()}
+    def describe(before, c):
+        if decode is None:
+            return flow_note(before, c)
+        b, a = before["decode"], c["decode"]
+        replays = sum(r["replays"] for r in a["replay"].values()) - sum(r["replays"] for r in b["replay"].values())
+        inner = sum(r["eager"] for r in a["replay"].values()) - sum(r["eager"] for r in b["replay"].values())
+        stock = sum(a["eager"].values()) - sum(b["eager"].values())
+        return (f"{flow_note(before['flow'], c['flow'])}; vocoder decode: optimized {a['optimized'] - b['optimized']} "
+                f"(replays {replays}, eager {inner}), stock fallbacks {stock}")
+
+    gate = {"baseline": HALF_BASELINE} if half else {"baseline": NEW_BASELINE} if not hift else {}
+    rows = _blocks(args, name, fn, step, state0, spk, device, warm, counts, describe, lane=args.lane, **gate,
+                   export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory,
+                   **({"vocoder": vocoder} if vocoder else {}))
+    progs = {"": prog, **({f"vocoder.decode/finalize={f}/": p for f, p in decode.programs.items()} if decode else {})}
+    reports = {prefix + k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
+                                 staging_mib=r.staging_bytes / 2**20, capture_s=r.capture_seconds, error=r.error)
+                            for r in eng.classes.values()]
+               + [dict(refused=reason) for reason in set(eng.refusals().values())]
+               for prefix, p in progs.items() for k, eng in p.runners().items()}
     rows[-1]["capture_reports"] = reports
+    if decode is not None:
+        rows[-1]["vocoder"] = dict(vocoder, eager_signatures={str(k): n for k, n in decode.counters()["eager"].items()})
     return rows
 
 
@@ -370,7 +491,7 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
               "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "optimize_s",
-              "memory", "capture_reports", "baseline")  # what the --json report keeps of each row
+              "memory", "capture_reports", "baseline", "vocoder")  # what the --json report keeps of each row
 
 
 def main() -> None:
