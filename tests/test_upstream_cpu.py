@@ -223,11 +223,18 @@ def test_full_step_0_1_2(cfg):
     assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
 
 
-def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg):
+@pytest.fixture(scope="module")
+def step_catalog(cfg):
+    """The 0.1.2 step exported with the estimator visible (the "step" routing): one catalog serves both
+    clocks, so the replay tests below share one export (the slow part on the CPU)."""
+    return full_step_0_1_2(cfg, "step", seed=7)
+
+
+def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     """``step_segments=False``: the CFM loop is one partition (one graph); same bits."""
     from cadence_fx.replay import FakeBackend
 
-    step, _prompt, state, fresh, _contract, eps = full_step_0_1_2(cfg, "chunk", seed=3)
+    step, _prompt, state, fresh, _contract, eps = step_catalog
     contract = token2wav_contract(cfg, "chunk", driver="0.1.2", step_segments=False)
     prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
                                        replay=FakeBackend(), warmup=True)
@@ -239,14 +246,14 @@ def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg):
 
 
 @pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
-def test_each_solver_step_replays_on_views_of_the_region(cfg, segments):
+def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segments):
     """0.1.2 through the fake replay backend, one graph per solver step: at the step clock (each step's
     cache slice is cut by the eager CFM loop between two replayed partitions) and at the chunk clock
     split at the estimator (``split_at``). The slice is a view of the region buffer, passed in place
     (aliased, pointer-checked), not staged, and the stream stays bit-exact."""
     from cadence_fx.replay import FakeBackend
 
-    step, _prompt, state, fresh, contract, eps = full_step_0_1_2(cfg, "step", seed=7)
+    step, _prompt, state, fresh, contract, eps = step_catalog
     if segments:
         contract = token2wav_contract(cfg, "chunk", driver="0.1.2")  # segments: the default
     prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
