@@ -10,13 +10,17 @@ tokens). Cells:
 
 - ``B0``      the stock code as shipped, eager (``NO_CUDA_GRAPH=1``): ``mimi.encode``, ``LMGen.step``,
               ``mimi.decode``, each module keeping its own streaming state;
+- ``B0b``     B0 again, in a process of its own, gated against B0: is the stock eager stream itself
+              reproducible (its logits included)?
 - ``vendor``  the same with moshi's own ``CUDAGraphed`` replay as shipped (``forward_text`` and
               ``depformer_step`` of the LM, Mimi's SEANet encoder/decoder and transformers; captured
               on the second call, eager glue between the graphs);
 - ``S``       the exported steps under the state rule only (contract-owned rings, no replay);
 - ``R``       replay only (one CUDA graph per step: the whole LM frame, sampling included; Mimi encode;
               Mimi decode), the state staged in and out of the graphs as plain inputs;
-- ``SR``      both rules: the graphs run on the region buffers, nothing staged.
+- ``SR``      both rules: the graphs run on the region buffers, nothing staged;
+- ``Snh``     S with Mimi's encode and decode contracts hoisting nothing (``hoist_constants=False,
+              fold_weights=False``: weight norm and constant cones inline every call, as the stock code).
 
 Every cell runs with ``NO_TORCH_COMPILE=1``: moshi compiles its RMS norm, RoPE and gating kernels
 with ``torch.compile`` on CUDA by default, whose fused kernels differ from the eager ones in bits,
@@ -31,7 +35,14 @@ against B0's; a cell whose bytes differ is NOT EXACT and gets no speedup. Each r
 tokens and a short digest of every frame's PCM (raw rows only, ``--rows``), so the report says for each
 cell where its stream parts from B0's: the first frame whose tokens differ and in which entry (text or
 audio codebook K), and the first frame whose PCM differs; and which kernels its profiled frame runs more
-or fewer times than B0's (``kernel_diff``). Reported per cell: p50/p95
+or fewer times than B0's (``kernel_diff``: whole kernel names with their template arguments, and each
+name's launches per frame in both). Every row also keeps per-frame digests of where the stream is made
+(``digests``, see ``lm_probe``; exact: bytes copied to the host and hashed): the LM step's input codes
+(Mimi's encoding), the KV entries each frame wrote (one digest per frame and one per layer), every
+``--kv-full-every`` frames the whole written part of the KV rings, the LM's counters and token ring, the
+tokens each frame sampled before the delays, and for the eager stock cells (B0, B0b) the text logits, the
+depformer's input and each codebook's logits (not reachable inside an exported program). The report says,
+per cell vs B0, the first frame each digest differs (for the KV entries: which layers). Reported per cell: p50/p95
 ms per frame (encode + LM + decode, each stage synchronised so its time is known) and of the LM step
 alone, peak MiB (``torch.cuda.max_memory_allocated`` from the moment the cell is ready to serve:
 weights, state, graph pools, warm-up included; building, export and optimize excluded, for every cell
@@ -66,14 +77,17 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import harness  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 
-STOCK_CELLS = ("B0", "vendor")
+STOCK_CELLS = ("B0", "B0b", "vendor")
 OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay="auto"),
-             "SR": dict(state=True, replay="auto")}
+             "SR": dict(state=True, replay="auto"),
+             # S with Mimi's constants and weight-derived cones computed inline every call (no hoisting)
+             "Snh": dict(state=True, replay="off", mimi_hoist=False)}
 STAGES = ("encode", "lm", "decode")
 SAMPLING_SEED = 1234
 AUDIO_SEED = 99
-PCM_DIGEST = 12  # hex digits of each frame's PCM digest kept in a row
-KERNEL_NAME = 96  # characters of a kernel's name kept in the per-name count
+PCM_DIGEST = 12  # hex digits of each frame's PCM digest kept in a row (and of every per-frame digest)
+LAYER_DIGEST = 8  # hex digits of each layer's KV digest per frame
+KV_FULL_EVERY = 8  # frames between digests of the whole written part of every LM KV ring
 
 
 def pick_device() -> str:
@@ -103,19 +117,24 @@ def _ready(device: str) -> None:
 
 # --------------------------------------------------------------------------- the timed stream
 def stream(stages: dict[str, Callable[[torch.Tensor], torch.Tensor]], pcm: list[torch.Tensor], max_delay: int,
-           device: str) -> dict[str, Any]:
+           device: str, probe: Callable[[int], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Run every frame through ``stages`` (encode, lm, decode), each stage synchronised and timed.
 
     Returns per-frame and per-stage milliseconds and the SHA-256 of the tokens, of the PCM and of both
     (frame by frame: tokens, then PCM where there is any), copied to the host outside the timings; and,
     to say where two streams part, every frame's tokens (``frame_tokens``: small ints, ``B * (1 + dep_q)``
     per frame) and a short digest of every frame's PCM (``frame_pcm``, ``None`` before the first decode).
+
+    ``digests``: per-frame records by name (one list entry per frame), taken after each frame outside the
+    timings: ``codes`` (digest of the LM step's input, Mimi's encoding of the frame) always, and whatever
+    ``probe(k)`` returns (:func:`lm_probe`).
     """
     torch.manual_seed(SAMPLING_SEED)
     if device == "cuda":
         torch.cuda.manual_seed(SAMPLING_SEED)
     ms = {name: [] for name in ("frame", *STAGES)}
     tokens, audio, both = [], [], []
+    digests: dict[str, list] = {"codes": []}
     with torch.no_grad():
         for k, x in enumerate(pcm):
             codes, t_enc = harness.timed(stages["encode"], x)
@@ -130,18 +149,106 @@ def stream(stages: dict[str, Callable[[torch.Tensor], torch.Tensor]], pcm: list[
             if out is not None:
                 audio.append(out.to("cpu", copy=True))
                 both.append(audio[-1])
+            digests["codes"].append(_digest(codes))
+            for key, v in (probe(k) if probe is not None else {}).items():
+                digests.setdefault(key, [None] * k).append(v)
     pcm_at = iter(audio)
     return dict(ms=ms, sha256=sha256_tensors(both), sha256_tokens=sha256_tensors(tokens),
                 sha256_pcm=sha256_tensors(audio), first_tokens=[t.flatten().tolist() for t in tokens[:4]],
                 frame_tokens=[t.flatten().tolist() for t in tokens], tokens_shape=list(tokens[0].shape[:2]),
                 frame_pcm=[None if k < max_delay else sha256_tensors(next(pcm_at))[:PCM_DIGEST]
-                           for k in range(len(tokens))])
+                           for k in range(len(tokens))], digests=digests)
+
+
+def _digest(t: torch.Tensor | list[torch.Tensor], n: int = PCM_DIGEST) -> str:
+    """The first ``n`` hex digits of the SHA-256 of the tensor's bytes (copied to the host: exact)."""
+    return sha256_tensors(t)[:n]
+
+
+# --------------------------------------------------------------------------- where two streams part
+def lm_probe(step, state_of: Callable[[], dict[str, torch.Tensor]], *, kv_full_every: int = KV_FULL_EVERY,
+             stash: dict | None = None) -> Callable[[int], dict[str, Any]]:
+    """Per-frame records of the LM step's state after frame ``k`` (``probe(k)``, for :func:`stream`).
+
+    ``state_of()`` gives the LM state by slot name (``StateSlot.name``): for the stock cells moshi's own
+    streaming state (``slot.get()``), for the optimized cells the state the step returned (``carry``).
+    Every record is exact (the bytes copied to the host and hashed), and the copies are small:
+
+    - ``sampled``: the tokens the frame sampled, before the delays (text, audio 0..dep_q-1, per stream: the
+      column of ``LMGen``'s token ring the frame wrote), as ints;
+    - ``ring``: digest of the whole token ring (sampled tokens and the user's delayed codes);
+    - ``counters``: digest of every position counter (``offset``, ``offsets``, ``end_offset``);
+    - ``kv``: digest of the KV entries this frame wrote (position ``end_offset - 1`` of every temporal
+      layer's ring: 16 KiB a layer released), and ``kv_layers``: one 8-digit digest per layer of the same;
+    - ``kv_full``: every ``kv_full_every`` frames (frames ``kv_full_every - 1``, ``2 * kv_full_every - 1``,
+      ...; else ``None``; 0: never), digest of every written position of every ring (positions
+      ``0 .. min(end_offset, capacity) - 1``: about 0.5 MiB a frame of stream released);
+    - with ``stash`` (:func:`stash_logits`, stock eager cells only: inside an exported program these
+      tensors are not reachable without changing it): ``text_logits``, ``dep_input`` (the temporal
+      transformer's output the depformer reads) and ``dep_logits`` (one 8-digit digest per codebook).
+    """
+    slots = step.slots
+    dep_q = step.gen.lm_model.dep_q
+    ring_name = next(s.name for s in slots if s.field == "tokens")
+    ring_module = next(s.module for s in slots if s.field == "tokens")
+    gen_offsets = next(s.name for s in slots if s.field == "offsets" and s.module == ring_module)
+    kv = [(s.name, next(e.name for e in slots if e.module == s.module and e.field == "end_offset"))
+          for s in slots if s.field == "kv_cache"]
+    counters = [s.name for s in slots if s.field in ("offset", "offsets", "end_offset")]
+
+    def probe(k: int) -> dict[str, Any]:
+        st = state_of()
+        ring, offsets = st[ring_name], st[gen_offsets]
+        b, _, ct = ring.shape
+        col = (offsets % ct).view(-1, 1, 1).expand(b, 1 + dep_q, 1)
+        out: dict[str, Any] = {"sampled": ring[:, :1 + dep_q].gather(2, col).flatten().tolist(),
+                               "ring": _digest(ring), "counters": _digest([st[n] for n in counters])}
+        written = []
+        for cache_name, end_name in kv:
+            cache, end = st[cache_name], st[end_name]
+            two, bb, h, cap, d = cache.shape
+            written.append(cache.gather(3, ((end - 1) % cap).view(1, -1, 1, 1, 1).expand(two, bb, h, 1, d)))
+        host = torch.stack(written).cpu() if written else torch.empty(0)
+        out["kv"] = _digest(host)
+        out["kv_layers"] = [_digest(t, LAYER_DIGEST) for t in host]
+        out["kv_full"] = None
+        if kv_full_every and (k + 1) % kv_full_every == 0:
+            out["kv_full"] = _digest([st[c].narrow(3, 0, min(int(st[e].max()), st[c].shape[3])).contiguous()
+                                      for c, e in kv])
+        if stash is not None:
+            out["text_logits"] = _digest(stash["text"]) if "text" in stash else None
+            out["dep_input"] = _digest(stash["dep_input"]) if "dep_input" in stash else None
+            out["dep_logits"] = [_digest(t, LAYER_DIGEST) for t in stash.get("dep", [])] or None
+            stash.clear()
+        return out
+
+    return probe
+
+
+def stash_logits(gen) -> dict:
+    """Keep a reference (no copy, no kernel) to each frame's text logits (``LMGen.on_text_logits_hook``),
+    the depformer's input and each codebook's logits (``lm_model.forward_depformer`` wrapped on the
+    instance) in the returned dict, for :func:`lm_probe`. Eager stock cells only (a ``CUDAGraphed``
+    depformer runs no Python on replay)."""
+    stash: dict = {}
+    lm = gen.lm_model
+    forward_depformer = lm.forward_depformer
+
+    def wrapped(cb_index, sequence, transformer_out):
+        logits = forward_depformer(cb_index, sequence, transformer_out)
+        stash.setdefault("dep", []).append(logits)
+        stash["dep_input"] = transformer_out
+        return logits
+
+    lm.forward_depformer = wrapped
+    gen.on_text_logits_hook = lambda logits: stash.__setitem__("text", logits)
+    return stash
 
 
 def _profile(stages, x: torch.Tensor) -> dict[str, Any]:
     """Kernels and launches of one more frame, after the timed stream (so profiling distorts no timing),
-    counted as ``harness.profile_calls`` counts them, and the frame's kernels by name (``kernel_names``,
-    to say which kernels a cell runs that B0 does not)."""
+    counted as ``harness.profile_calls`` counts them, and the frame's launches per kernel name, names whole
+    with their template arguments (``kernel_names``, to say which kernels a cell runs that B0 does not)."""
     nan = float("nan")
     if not torch.cuda.is_available():
         return {"launches": nan, "kernels": nan, "busy_ms": nan}
@@ -162,20 +269,27 @@ def _profile(stages, x: torch.Tensor) -> dict[str, Any]:
             launches += 1
         elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name \
                 and "Memset" not in ev.name:
-            names[ev.name[:KERNEL_NAME]] += 1
+            names[ev.name] += 1
             busy_us += ev.time_range.elapsed_us()
     return {"launches": launches, "kernels": sum(names.values()), "busy_ms": busy_us / 1e3,
             "kernel_names": dict(names)}
 
 
-def kernel_diff(row: dict, base: dict, top: int = 12) -> dict[str, int] | None:
-    """Kernels per frame by name that ``row`` runs more (+) or fewer (-) times than ``base`` (the largest
-    ``top`` differences); ``None`` without a per-name count."""
+def kernel_diff(row: dict, base: dict, top: int | None = None) -> dict[str, int] | None:
+    """Kernels per frame by (whole) name that ``row`` runs more (+) or fewer (-) times than ``base`` (every
+    difference, or the largest ``top``), largest first; ``None`` without a per-name count."""
     a, b = row.get("kernel_names"), (base or {}).get("kernel_names")
     if not a or not b:
         return None
     diff = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b) if a.get(k, 0) != b.get(k, 0)}
     return dict(sorted(diff.items(), key=lambda kv: (-abs(kv[1]), kv[0]))[:top])
+
+
+def kernel_lines(row: dict, base: dict, diff: dict[str, int]) -> list[str]:
+    """One line per kernel of ``diff``: the difference, the launches per frame of the cell and of the base,
+    and the whole name."""
+    a, b = row.get("kernel_names") or {}, base.get("kernel_names") or {}
+    return [f"{v:+4d} ({a.get(k, 0):>4d} vs {b.get(k, 0):>4d})  {k}" for k, v in diff.items()]
 
 
 def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", **extra) -> dict:
@@ -188,7 +302,7 @@ def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", 
                sha256=res["sha256"], sha256_tokens=res["sha256_tokens"], sha256_pcm=res["sha256_pcm"],
                first_tokens=res["first_tokens"], frames=len(ms["frame"]), notes=notes, ms=ms["frame"],
                frame_tokens=res["frame_tokens"], tokens_shape=res["tokens_shape"], frame_pcm=res["frame_pcm"],
-               kernel_names=prof.get("kernel_names"), **extra)
+               kernel_names=prof.get("kernel_names"), digests=res.get("digests"), **extra)
     for stage in STAGES:
         row[f"{stage}_p50_ms"] = harness.percentile(ms[stage], 50)
         row[f"{stage}_p95_ms"] = harness.percentile(ms[stage], 95)
@@ -197,8 +311,10 @@ def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", 
 
 # --------------------------------------------------------------------------- cells
 def run_stock_cell(args, name: str) -> list[dict]:
-    """B0 (eager) or vendor (moshi's CUDAGraphed as shipped): the upstream objects keep their state."""
-    if name == "B0":
+    """B0 (eager), B0b (B0 again, in a process of its own: is the stock stream reproducible?) or vendor
+    (moshi's CUDAGraphed as shipped): the upstream objects keep their state."""
+    eager = name != "vendor"
+    if eager:
         os.environ["NO_CUDA_GRAPH"] = "1"  # what the issue measured as eager; upstream_eager also disables it
     env = pin_envelope()
     device = pick_device()
@@ -208,24 +324,31 @@ def run_stock_cell(args, name: str) -> list[dict]:
         mo.install_state(getattr(steps, stage), getattr(steps, stage).initial_state())
     mimi, gen = steps.decode.module, steps.lm.gen
     b = cfg.batch_size
-    graphed = name == "vendor" and device == "cuda"
+    graphed = not eager and device == "cuda"
     stages = {"encode": mimi.encode, "lm": lambda c: steps.lm.as_tokens(gen.step(c), b, device),
               "decode": mimi.decode}
+    # what the optimized cells cannot expose (logits) is kept for the eager cells: B0 vs B0b then says
+    # whether the stock eager stream itself is reproducible up to its logits
+    stash = stash_logits(gen) if eager else None
+    probe = lm_probe(steps.lm, lambda: {s.name: s.get() for s in steps.lm.slots}, kv_full_every=args.kv_full_every,
+                     stash=stash)
     extra: dict = {}
     if name == "B0":
         extra.update(envelope={k: str(v) for k, v in env.items()}, gpu=torch.cuda.get_device_name() if device == "cuda"
                      else "cpu", torch=torch.__version__, moshi=up.version)
     _ready(device)
     with mo.upstream_eager(up, cuda_graph=graphed):
-        res = stream(stages, pcm[:-1], steps.max_delay, device)
+        res = stream(stages, pcm[:-1], steps.max_delay, device, probe)
         prof = _profile(stages, pcm[-1])
     notes = "CUDAGraphed as shipped (captured on the 2nd call)" if graphed else "eager (NO_CUDA_GRAPH=1)"
+    if name == "B0b":
+        notes += ", B0 again in its own process"
     first = res["ms"]["frame"][:3]
     return [_row(name, res, prof, 0.0, notes, lane=args.lane, first_frames_ms=first, **extra)]
 
 
 def run_opt_cell(args, name: str) -> list[dict]:
-    """S, R, SR: the exported steps through cadence_fx.optimize."""
+    """S, R, SR, Snh: the exported steps through cadence_fx.optimize."""
     import cadence_fx as cf
     from cadence_fx.adapters.streaming import export_step_catalog
 
@@ -236,6 +359,9 @@ def run_opt_cell(args, name: str) -> list[dict]:
     pcm = mo.user_audio(args.frames + 1, seed=AUDIO_SEED, device=device)
     examples = steps.examples()
     contracts = {s: mo.moshi_contract(getattr(steps, s)) for s in STAGES}
+    if spec.get("mimi_hoist") is False:
+        contracts.update({s: mo.moshi_contract(getattr(steps, s), hoist_constants=False, fold_weights=False)
+                          for s in ("encode", "decode")})
     export_s, optimize_s, progs = {}, {}, {}
     for s in STAGES:
         step = getattr(steps, s)
@@ -271,7 +397,10 @@ def run_opt_cell(args, name: str) -> list[dict]:
 
     stages = {s: stage(s) for s in STAGES}
     before = {s: progs[s].counters() for s in STAGES}
-    res = stream(stages, pcm[:-1], steps.max_delay, device)
+    lm_step = steps.lm
+    probe = lm_probe(lm_step, lambda: {lm_step.slot_of(n).name: t for n, t in st["lm"].items()},
+                     kv_full_every=args.kv_full_every)
+    res = stream(stages, pcm[:-1], steps.max_delay, device, probe)
     counters = {s: _delta(before[s], progs[s].counters()) for s in STAGES}
     prof = _profile(stages, pcm[-1])
     state_info = {s: _state_info(progs[s], contracts[s], spec["state"]) for s in STAGES}
@@ -323,7 +452,8 @@ def _state_info(prog, contract, state_rule: bool) -> dict:
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "encode_p50_ms", "encode_p95_ms", "lm_p50_ms",
               "lm_p95_ms", "decode_p50_ms", "decode_p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
-              "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "divergence", "kernel_diff",
+              "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "divergence",
+              "digest_divergence", "kernel_diff", "kernel_names",
               "bitexact", "speedup", "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
               "released_stock_state_mib", "memory", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
 
@@ -332,13 +462,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--frames", type=int, default=1000, help="frames per cell (80 ms each)")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
+    ap.add_argument("--kv-full-every", type=int, default=KV_FULL_EVERY,
+                    help="frames between digests of every written LM KV position (0: never; see lm_probe)")
     harness.add_flags(ap, cells="B0,vendor,S,R,SR", blocks=1)
     args = ap.parse_args()
     if args.one:
         cell = run_stock_cell if args.one in STOCK_CELLS else run_opt_cell
         harness.write_cell(args.out, cell(args, args.one))
         return
-    common = ["--frames", str(args.frames)] + (["--reduced"] if args.reduced else [])
+    common = ["--frames", str(args.frames), "--kv-full-every", str(args.kv_full_every)] + (
+        ["--reduced"] if args.reduced else [])
     report(harness.collect(args, __file__, common, per_block=False), args)
 
 
@@ -358,10 +491,13 @@ def report(cells: list[dict], args) -> None:
         if "error" not in r and r["name"] != harness.BASELINE:
             r["divergence"] = divergence(r, base)
             print(f"{r['name']:<10}vs {harness.BASELINE}: {describe(r['divergence'])}")
+            r["digest_divergence"] = digest_divergence(r, base)
+            print(f"{'':<10}first frame each digest differs (= identical): {describe_digests(r['digest_divergence'])}")
             r["kernel_diff"] = kernel_diff(r, base)
             if r["kernel_diff"]:
-                print(f"{'':<10}kernels per frame vs {harness.BASELINE}: " + "; ".join(
-                    f"{v:+d} {k}" for k, v in r["kernel_diff"].items()))
+                print(f"{'':<10}kernels per profiled frame vs {harness.BASELINE} ({len(r['kernel_names'])} distinct "
+                      f"names vs {len(base['kernel_names'])}; difference (cell vs {harness.BASELINE}) name):")
+                print("\n".join(f"{'':<12}{line}" for line in kernel_lines(r, base, r["kernel_diff"])))
     targets = _targets(cells)
     print("targets:", json.dumps(targets, indent=1))
     if args.json:
@@ -395,6 +531,61 @@ def divergence(row: dict, base: dict) -> dict | None:
     # PCM that parts before the tokens do (or with equal tokens) is Mimi's decode itself, not the LM
     out["pcm_before_tokens"] = bool(pcm) and (not differ or pcm[0] < differ[0])
     return out
+
+
+# the per-frame digests in the order the data flows through a frame
+DIGEST_KEYS = ("codes", "kv", "text_logits", "dep_input", "dep_logits", "sampled", "ring", "counters", "kv_full")
+
+
+def digest_divergence(row: dict, base: dict) -> dict | None:
+    """Per digest of :func:`stream` / :func:`lm_probe`: the frames both rows recorded (``compared``), the first
+    frame where they differ (``first``, ``None``: identical) and how many differ; for ``kv`` the layers whose
+    entries differ at that frame, for ``dep_logits`` the codebooks, for ``sampled`` the entries. A digest
+    either row lacks (logits of an optimized cell) is ``None``."""
+    a, b = row.get("digests"), (base or {}).get("digests")
+    if not a or not b:
+        return None
+    streams, per = base.get("tokens_shape") or [1, None]
+    out: dict[str, Any] = {}
+    for key in DIGEST_KEYS:
+        x, y = a.get(key), b.get(key)
+        if not x or not y or all(v is None for v in x) or all(v is None for v in y):
+            out[key] = None
+            continue
+        both = [k for k, (u, v) in enumerate(zip(x, y)) if u is not None and v is not None]
+        differ = [k for k in both if x[k] != y[k]]
+        e: dict[str, Any] = {"compared": len(both), "first": differ[0] if differ else None, "differ": len(differ)}
+        if differ:
+            f = differ[0]
+            if key == "kv":
+                la, lb = a["kv_layers"][f], b["kv_layers"][f]
+                e["layers"] = [i for i, (u, v) in enumerate(zip(la, lb)) if u != v]
+            elif key == "dep_logits":
+                e["codebooks"] = [i for i, (u, v) in enumerate(zip(x[f], y[f])) if u != v]
+            elif key == "sampled":
+                n = per or len(x[f])
+                e["entries"] = [("text" if i % n == 0 else f"audio {i % n - 1}") + (f" (stream {i // n})" if
+                                                                                  streams > 1 else "")
+                                for i, (u, v) in enumerate(zip(x[f], y[f])) if u != v]
+        out[key] = e
+    return out
+
+
+def describe_digests(d: dict | None) -> str:
+    if d is None:
+        return "no digests"
+    parts = []
+    for key, e in d.items():
+        if e is None:
+            parts.append(f"{key} n/a")
+        elif e["first"] is None:
+            parts.append(f"{key} = ({e['compared']})")
+        else:
+            where = (f" layers {e['layers'][:8]}{'...' if len(e['layers']) > 8 else ''} of this frame" if "layers" in e
+                     else f" codebooks {e['codebooks']}" if "codebooks" in e
+                     else f" ({', '.join(e['entries'])})" if "entries" in e else "")
+            parts.append(f"{key} {e['first']}{where} [{e['differ']}/{e['compared']}]")
+    return "; ".join(parts)
 
 
 def describe(d: dict | None) -> str:

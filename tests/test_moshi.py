@@ -233,9 +233,10 @@ def test_another_moshi_release_is_refused():
 
 
 def test_benchmark_rows_say_where_two_streams_part(stack):
-    """benchmarks/moshi.py keeps every frame's tokens and a digest of its PCM, and reports, per cell
-    against B0, the first frame whose tokens differ (which entry: text or audio codebook) and the first
-    frame whose PCM differs."""
+    """benchmarks/moshi.py keeps every frame's tokens, a digest of its PCM and digests of the LM's input,
+    KV writes, logits and sampled tokens, and reports, per cell against B0, the first frame whose tokens
+    differ (which entry: text or audio codebook), the first frame whose PCM differs, and the first frame
+    each digest differs."""
     from benchmarks import moshi as bm
 
     steps = stack.steps
@@ -243,14 +244,41 @@ def test_benchmark_rows_say_where_two_streams_part(stack):
         mo.install_state(getattr(steps, n), steps.initial_state()[n])
     mimi, gen = steps.decode.module, steps.lm.gen
     stages = {"encode": mimi.encode, "lm": lambda c: steps.lm.as_tokens(gen.step(c), 1, "cpu"), "decode": mimi.decode}
-    with mo.upstream_eager(stack.up):
-        res = bm.stream(stages, stack.pcm, steps.max_delay, "cpu")
+    stash = bm.stash_logits(gen)
+    probe = bm.lm_probe(steps.lm, lambda: {s.name: s.get() for s in steps.lm.slots}, kv_full_every=4, stash=stash)
+    try:
+        with mo.upstream_eager(stack.up):
+            res = bm.stream(stages, stack.pcm, steps.max_delay, "cpu", probe)
+    finally:
+        del gen.lm_model.forward_depformer  # the instance attribute stash_logits set: the method again
+        gen.on_text_logits_hook = None
     per = 1 + gen.lm_model.dep_q
     assert len(res["frame_tokens"]) == FRAMES and all(len(t) == per for t in res["frame_tokens"])
     assert res["tokens_shape"] == [1, per] and res["frame_tokens"][0] == [-2] * per
     assert res["frame_pcm"][0] is None and all(len(d) == bm.PCM_DIGEST for d in res["frame_pcm"][1:])
     base = dict(res, name="B0")
     assert bm.describe(bm.divergence(dict(base), base)) == f"identical over {FRAMES} frames"
+    # per-frame digests of the LM's input, its written KV entries (per layer), logits and sampled tokens
+    dg = res["digests"]
+    assert all(len(dg[k]) == FRAMES for k in bm.DIGEST_KEYS + ("kv_layers",))
+    assert [k for k, v in enumerate(dg["kv_full"]) if v] == [3, 7] and len(dg["kv_layers"][0]) == 2
+    assert len(dg["dep_logits"][0]) == per - 1
+    # ``sampled`` is before the delays: entry i of frame k's output was sampled at frame k - max_delay + delay_i
+    delays, md = gen.delays_cuda[:per].tolist(), steps.max_delay
+    assert all(res["frame_tokens"][k][i] == dg["sampled"][k - md + d][i]
+               for k in range(md, FRAMES) for i, d in enumerate(delays) if k - md + d < FRAMES)
+    assert len(set(dg["kv"])) == FRAMES  # every frame writes new entries
+    assert all(e is not None and e["first"] is None for e in bm.digest_divergence(base, base).values())
+    kv_layers = [list(x) for x in dg["kv_layers"]]
+    kv_layers[2][1] = "0" * bm.LAYER_DIGEST
+    sampled = [list(x) for x in dg["sampled"]]
+    sampled[4][2] += 1
+    other = dict(base, digests=dict(dg, kv=dg["kv"][:2] + ["x"] + dg["kv"][3:], kv_layers=kv_layers, sampled=sampled,
+                                    text_logits=[None] * FRAMES))
+    d = bm.digest_divergence(other, base)
+    assert d["kv"] == {"compared": FRAMES, "first": 2, "differ": 1, "layers": [1]}
+    assert d["sampled"]["entries"] == ["audio 1"] and d["text_logits"] is None and d["codes"]["first"] is None
+    assert "kv 2 layers [1]" in bm.describe_digests(d)
     tokens = [list(t) for t in res["frame_tokens"]]
     tokens[5][2] += 1  # audio codebook 1 (entry 0 is the text token)
     tokens[6][0] += 1
@@ -264,3 +292,6 @@ def test_benchmark_rows_say_where_two_streams_part(stack):
     # and which kernels a cell's profiled frame runs more or fewer times than B0's
     got = bm.kernel_diff({"kernel_names": {"gemm": 3, "reduce": 1}}, {"kernel_names": {"gemm": 1, "fill": 2}})
     assert got == {"fill": -2, "gemm": 2, "reduce": 1}
+    # the Snh cell's Mimi contracts: constants and weight cones inline
+    c = mo.moshi_contract(steps.decode, hoist_constants=False, fold_weights=False)
+    assert (c.hoist_constants, c.fold_weights) == (False, False) and mo.moshi_contract(steps.decode).fold_weights

@@ -67,7 +67,8 @@ def slot_region(slot: StateSlot, input_name: str, output: int, *, replicate: boo
 
 
 def moshi_contract(step: MoshiStep, *, wrap: Sequence[str] = (WHOLE_STEP,),
-                   fields: Sequence[str] | None = None, hoist_constants: bool | None = None) -> Contract:
+                   fields: Sequence[str] | None = None, hoist_constants: bool | None = None,
+                   fold_weights: bool | None = None) -> Contract:
     """The contract of ``step`` (an :class:`~cadence_fx.adapters.moshi.LMStep`,
     :class:`~cadence_fx.adapters.moshi.MimiDecodeStep` or :class:`~cadence_fx.adapters.moshi.MimiEncodeStep`).
 
@@ -86,6 +87,10 @@ def moshi_contract(step: MoshiStep, *, wrap: Sequence[str] = (WHOLE_STEP,),
             (``WeightsChanged`` is raised). Until that pass leaves factories written in place
             alone, the LM step runs without hoisting (its constant cones, RoPE frequencies and the
             like, are a few small kernels inside the replayed graph).
+        fold_weights: ``Contract.fold_weights`` (``None``: the contract's default, on; it acts only
+            with ``hoist_constants``). ``hoist_constants=False, fold_weights=False`` runs Mimi's
+            weight norm and constant cones inline every call, as the stock code does (the ``Snh``
+            cell of ``benchmarks/moshi.py``).
     """
     regions = []
     for name, out in step.state.items():
@@ -99,4 +104,6 @@ def moshi_contract(step: MoshiStep, *, wrap: Sequence[str] = (WHOLE_STEP,),
             regions.append(slot_region(slot, name, out, replicate=pad_mode == "replicate"))
     if hoist_constants is None:
         hoist_constants = not isinstance(step, LMStep)
-    return Contract(clocks=(FRAME,), regions=tuple(regions), wrap=tuple(wrap), hoist_constants=hoist_constants)
+    extra = {} if fold_weights is None else {"fold_weights": fold_weights}
+    return Contract(clocks=(FRAME,), regions=tuple(regions), wrap=tuple(wrap), hoist_constants=hoist_constants,
+                    **extra)
