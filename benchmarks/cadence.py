@@ -28,9 +28,17 @@ Cells, in one run:
   GPU; worker threads (one per lane) serve the due chunks earliest first. One long-lived worker
   process per GPU builds the model from the benchmark seed (so every GPU holds the same weights),
   exports the catalog and optimizes it once, in parallel with the others, then serves one N after
-  another. ``--pack`` runs rows that need fewer GPUs than there are side by side on disjoint GPUs
-  (two one-GPU rows at once with ``--gpus 1,2``; ``concurrent_n`` names the neighbour row): each row
-  still has its GPUs to itself, the host's CPUs are shared, as they are in the two-GPU rows.
+  another. Before its first measured row every worker serves an untimed warm stream of
+  ``--warm-seconds`` (default 10 s on GPUs, 0: none) at the first N it will serve (its share of that
+  row's sessions, joined as that row joins them), so the allocator's growth to that many sessions,
+  lazy cuBLAS/cuDNN set-up and first replays fall in no measured row; the report keeps it as
+  ``warm_s`` and ``setup.SRc.warm``, not as a row. ``--pack`` runs rows that need fewer GPUs than
+  there are side by side on disjoint GPUs, and only rows of the same N (with ``--gpus 1,2``: N=16 on
+  GPU 0 and N=16 on GPU 1, two independent one-GPU rows, a repeat; ``repeat`` numbers them and
+  ``concurrent_n`` names the neighbours' N). Rows of different N are never packed, so a row never
+  shares the host with a larger, overloaded one (session 5 packed N=16 beside N=17 and neither row was
+  credible). Each row still has its GPUs to itself; the host's CPUs are shared, as they are in the
+  two-GPU rows. An N counts as clean in ``limits`` only when every repeat of it is.
 - ``stock``: the stock driver as it ships serves one conversation per model instance: one process per
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
@@ -557,6 +565,7 @@ class Run:
         self.solo_gpu: dict[int, int] = {}
         self.device = None
         self.meta: dict = {}
+        self.warm_s = args.warm_seconds if args.warm_seconds is not None else (10.0 if self.visible else 0.0)
 
     # ------------------------------------------------------------------ rows
     def add(self, row: dict) -> None:
@@ -579,7 +588,7 @@ class Run:
         return dict(command="python benchmarks/cadence.py " + " ".join(sys.argv[1:]), torch=torch.__version__,
                     device=self.device, date=time.strftime("%Y-%m-%d"), model=self.args.model, dtype=self.args.dtype,
                     seconds=self.args.seconds, period_s=self.args.period, chunks_per_session=self.chunks,
-                    scripts=self.args.scripts, solo_sha={str(k): v for k, v in self.solo.items()},
+                    scripts=self.args.scripts, warm_s=self.warm_s, solo_sha={str(k): v for k, v in self.solo.items()},
                     solo_gpu={str(k): v for k, v in self.solo_gpu.items()}, limits=limits(self.rows),
                     skipped=self.skipped, setup=self.meta, rows=self.rows)
 
@@ -629,33 +638,70 @@ class Run:
         return [Worker(g, [sys.executable, __file__, "--worker", str(g)] + common + _passthrough(a),
                        child_env(self.visible, g)) for g in range(k)]
 
+    def _serve_cmd(self, n: int, g: int, j: int, t0: float, chunks: int, busy_window: float) -> dict:
+        """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
+        a = self.args
+        return dict(cmd="serve", n=n, sessions=[i for i in range(n) if i % g == j], t0=t0, period=a.period,
+                    chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window)
+
+    def warm(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
+        """Every worker, at once, serves an untimed ``--warm-seconds`` stream of its share of the first N it
+        will serve (the first row of the first GPU count whose first batch uses it); nothing is a row."""
+        a = self.args
+        chunks = int(round(self.warm_s / a.period))
+        if chunks <= 0:
+            return
+        first: dict[int, tuple[int, int, int]] = {}  # worker -> (n, g, j)
+        for g in gpus:
+            if not sessions[g]:
+                continue
+            width = max(1, len(workers) // g) if a.pack else 1
+            for k in range(min(width * g, len(workers))):
+                first.setdefault(k, (sessions[g][0], g, k % g))
+        t_start = time.monotonic()
+        t0 = time.time() + min(a.lead, 0.5)  # untimed: a late start only delays the warm stream
+        for k, (n, g, j) in first.items():
+            workers[k].send(self._serve_cmd(n, g, j, t0, chunks, 0.0))
+        per = []
+        for k, (n, g, j) in first.items():
+            part = workers[k].receive()
+            lat = [(r[3] - r[2]) * 1e3 for r in part["records"]]
+            per.append(dict(gpu=k, n_sessions=n, gpus=g, sessions=len(part["sha"]), chunks=len(lat),
+                            p50_ms=harness.percentile(lat, 50), p99_ms=harness.percentile(lat, 99),
+                            misses=sum(x > a.period * 1e3 for x in lat), peak_mib=part["peak_mib"]))
+        self.meta.setdefault("SRc", {})["warm"] = dict(seconds=self.warm_s, chunks_per_session=chunks,
+                                                       wall_s=time.monotonic() - t_start, per_worker=per)
+        print(f"warm stream: {self.warm_s:g} s at N=" + ",".join(f"{p['n_sessions']}(gpu {p['gpu']})" for p in per)
+              + f" in {time.monotonic() - t_start:.1f} s (not a row)", file=sys.stderr, flush=True)
+
     def run_src(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
         a = self.args
         ready = [w.receive() for w in workers]
         self.device = self.device or ready[0]["device"]
         self.meta["SRc"] = dict(workers=ready)
+        self.warm(workers, gpus, sessions)
         for g in gpus:
             todo = list(sessions[g])
-            width = max(1, len(workers) // g) if a.pack else 1  # --pack: several g-GPU runs side by side
+            width = max(1, len(workers) // g) if a.pack else 1  # --pack: the same N on disjoint GPU groups
             while todo:
-                batch, todo = todo[:width], todo[width:]
-                if self.over_budget("SRc", g, batch[0], a.seconds + a.lead + 15):
+                n0, todo = todo[0], todo[1:]
+                batch = [n0] * width
+                if self.over_budget("SRc", g, n0, a.seconds + a.lead + 15):
                     break
                 t0 = time.time() + a.lead
                 groups = [workers[j * g:(j + 1) * g] for j in range(len(batch))]
                 samplers = [self._nvml([w.g for w in grp], t0) for grp in groups]
                 for n, grp in zip(batch, groups):
                     for j, w in enumerate(grp):
-                        w.send(dict(cmd="serve", n=n, sessions=[i for i in range(n) if i % g == j], t0=t0,
-                                    period=a.period, chunks=self.chunks, scripts=a.scripts, join_live=a.join_live,
-                                    busy_window=a.busy_window))
+                        w.send(self._serve_cmd(n, g, j, t0, self.chunks, a.busy_window))
                 rows = []
-                for n, grp, nvml in zip(batch, groups, samplers):
+                for rep_i, (n, grp, nvml) in enumerate(zip(batch, groups, samplers)):
                     parts = [w.receive() for w in grp]
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
                     row.update(nvml.result(), lanes=a.lanes, join_live=a.join_live, gpu_ids=[w.g for w in grp],
-                               concurrent_n=[m for m in batch if m != n] if len(batch) > 1 else None,
+                               concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
+                               repeat=rep_i if len(batch) > 1 else None,
                                per_session_mib=next((p["per_session_mib"] for p in parts if p["per_session_mib"]),
                                                     None),
                                late_start_s=max(p["late_start_s"] for p in parts),
@@ -789,18 +835,20 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
 
 def limits(rows: list[dict]) -> dict:
     """Per cell and GPU count: the largest N run without a miss (and exact), the smallest N with misses;
-    and the ratio of the largest GPU count's limit to one GPU's."""
+    and the ratio of the largest GPU count's limit to one GPU's. An N run more than once (``--pack``'s
+    repeats) is clean only if every run of it is."""
     out: dict = {}
+    runs: dict = {}
     for r in rows:
-        if "error" in r:
-            continue
-        e = out.setdefault(r["cell"], {}).setdefault(str(r["gpus"]), dict(largest_n_no_miss=None,
-                                                                           smallest_n_with_misses=None))
-        if r["misses"] == 0 and r["bitexact"]:
-            e["largest_n_no_miss"] = max(e["largest_n_no_miss"] or 0, r["n_sessions"])
-        elif r["misses"]:
+        if "error" not in r:
+            runs.setdefault((r["cell"], r["gpus"], r["n_sessions"]), []).append(r)
+    for (cell, g, n), rs in runs.items():
+        e = out.setdefault(cell, {}).setdefault(str(g), dict(largest_n_no_miss=None, smallest_n_with_misses=None))
+        if all(r["misses"] == 0 and r["bitexact"] for r in rs):
+            e["largest_n_no_miss"] = max(e["largest_n_no_miss"] or 0, n)
+        elif any(r["misses"] for r in rs):
             m = e["smallest_n_with_misses"]
-            e["smallest_n_with_misses"] = r["n_sessions"] if m is None else min(m, r["n_sessions"])
+            e["smallest_n_with_misses"] = n if m is None else min(m, n)
     for per in out.values():
         one = (per.get("1") or {}).get("largest_n_no_miss")
         most = max((int(k) for k in per if k.isdigit()), default=1)
@@ -880,9 +928,13 @@ def main() -> None:
     ap.add_argument("--scripts", type=int, default=4)
     ap.add_argument("--full-sweep", action="store_true", help="keep sweeping N after the first misses")
     ap.add_argument("--pack", action="store_true",
-                    help="SRc: run the rows of a GPU count below the largest side by side on disjoint GPUs (with "
-                         "--gpus 1,2: two one-GPU rows at once; each row still has its GPUs to itself, the host is "
-                         "shared, as in the two-GPU rows)")
+                    help="SRc: run the rows of a GPU count below the largest side by side on disjoint GPUs, only "
+                         "rows of the same N (with --gpus 1,2: N on GPU 0 and N on GPU 1, two independent one-GPU "
+                         "rows, a repeat; never a row beside a larger, overloaded one; each row still has its GPUs "
+                         "to itself, the host is shared, as in the two-GPU rows)")
+    ap.add_argument("--warm-seconds", type=float, default=None,
+                    help="SRc: an untimed stream of this many seconds per worker, at the first N it will serve, "
+                         "before its first measured row (default 10 with GPUs, 0 without; 0: none)")
     ap.add_argument("--join-live", action="store_true",
                     help="each session joins when its first chunk arrives (during the others' traffic)")
     ap.add_argument("--busy-window", type=float, default=1.0,

@@ -1,8 +1,8 @@
 """benchmarks/cadence.py: placement on several GPUs, the shared t0, the merge of per-GPU parts, the gate.
 
 The process test runs the real multi-process layout on the CPU: two "GPUs" are two worker processes
-(the two one-GPU rows run side by side on them, ``--pack``, and the stock cell's processes are pinned
-round robin to them), with the small demo decoder and a
+(each serves an untimed warm stream first; the one-GPU row of one N runs twice side by side on them,
+``--pack``, and the stock cell's processes are pinned round robin to them), with the small demo decoder and a
 0.5 s chunk period so that it takes seconds, not minutes. It checks what the coordinator builds from
 what the processes send back, not any timing.
 """
@@ -113,6 +113,9 @@ def test_limits_and_ratio():
     lim = cadence.limits(rows)["SRc"]
     assert lim["1"] == dict(largest_n_no_miss=17, smallest_n_with_misses=18)
     assert lim["2"]["largest_n_no_miss"] == 34 and lim["ratio"]["largest_over_one"] == pytest.approx(2.0)
+    # --pack's repeats: an N is clean only if every run of it is
+    rows += [dict(cell="SRc", gpus=1, n_sessions=17, misses=2, bitexact=True)]
+    assert cadence.limits(rows)["SRc"]["1"] == dict(largest_n_no_miss=16, smallest_n_with_misses=17)
 
 
 def test_dtype_hook_fails_clearly_or_passes_through():
@@ -129,20 +132,27 @@ def test_dtype_hook_fails_clearly_or_passes_through():
 def test_two_fake_gpus_one_process_each(tmp_path):
     out = tmp_path / "cadence.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc,stock",
-           "--gpus", "1,2", "--sessions", "2,3/4", "--pack", "--stock-sessions", "/2", "--seconds", "1.5", "--period", "0.5",
-           "--lanes", "2", "--scripts", "2", "--join-live", "--lead", "1", "--json", str(out),
+           "--gpus", "1,2", "--sessions", "2/4", "--pack",
+           "--warm-seconds", "0.5", "--stock-sessions", "/2", "--seconds", "1.5", "--period", "0.5",
+           "--lanes", "2", "--scripts", "2", "--join-live", "--lead", "0.7", "--json", str(out),
            "--rows", str(tmp_path / "rows.jsonl")]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU layout, also on a GPU host
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
-    rows = {(r["cell"], r["gpus"], r["n_sessions"]): r for r in rep["rows"]}
-    assert set(rows) == {("SRc", 1, 2), ("SRc", 1, 3), ("SRc", 2, 4), ("stock", 2, 2)}, rep["rows"]
+    keys = [(r["cell"], r["gpus"], r["n_sessions"], r.get("repeat")) for r in rep["rows"]]
+    assert keys == [("SRc", 1, 2, 0), ("SRc", 1, 2, 1), ("SRc", 2, 4, None), ("stock", 2, 2, None)], rep["rows"]
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 4
-    # --pack: the two one-GPU rows ran at once, one on each worker
-    assert rows[("SRc", 1, 2)]["concurrent_n"] == [3] and rows[("SRc", 1, 3)]["concurrent_n"] == [2]
-    assert rows[("SRc", 1, 2)]["gpu_ids"] == [0] and rows[("SRc", 1, 3)]["gpu_ids"] == [1]
+    # --pack: only rows of one N side by side: N=2 on each worker at once, two independent one-GPU rows
+    one = [r for r in rep["rows"] if r["gpus"] == 1]
+    assert [r["gpu_ids"] for r in one] == [[0], [1]] and [r["concurrent_n"] for r in one] == [[2], [2]]
+    rows = {(r["cell"], r["gpus"], r["n_sessions"]): r for r in rep["rows"][1:]}
     assert rows[("SRc", 2, 4)]["gpu_ids"] == [0, 1] and rows[("SRc", 2, 4)]["concurrent_n"] is None
+    # the warm stream: every worker, once, before any row, at the first N it serves (N=2, alone); not a row
+    warm = rep["setup"]["SRc"]["warm"]
+    assert rep["warm_s"] == 0.5 and warm["chunks_per_session"] == 1
+    assert [(w["gpu"], w["n_sessions"], w["gpus"], w["sessions"], w["chunks"]) for w in warm["per_worker"]] == [
+        (0, 2, 1, 2, 2), (1, 2, 1, 2, 2)]
     assert rep["chunks_per_session"] == 3 and set(rep["solo_sha"]) == {"0", "1"}
     for (cell, g, n), r in rows.items():
         assert "error" not in r
