@@ -239,6 +239,11 @@ class _Writer:
                 return
             seen[id(mod)] = path
             at = f"{where}, module {path or '<root>'!r}"
+            if not path and hasattr(mod, "range_constraints"):
+                # ``ExportedProgram.module()`` itself (pytree specs, input checks as hooks): partitioning
+                # replaces that root whenever the contract wraps something
+                raise ArtifactError(f"cadence_fx.save: {where} is the unpartitioned exported module (the contract "
+                                    f"wraps nothing); wrap a callable or the whole step (cf.WHOLE_STEP) to save it")
             for hooks in _HOOKS:
                 if getattr(mod, hooks, None):
                     raise ArtifactError(f"cadence_fx.save: {at} has {hooks}; a stored program cannot carry hooks")

@@ -285,3 +285,17 @@ def test_token2wav_loads_without_the_upstream_code(token2wav, tmp_path):
     lines = dict(line.split(" ", 1) for line in run.stdout.splitlines() if line.startswith(("SHA", "BLOCKED")))
     assert lines["SHA"] == want
     assert lines["BLOCKED"] == "[]"
+
+
+def test_a_program_that_wraps_nothing_is_refused_with_the_way_out(tmp_path):
+    """Without a wrapped callable the program's root is ``ExportedProgram.module()`` itself (pytree
+    specs, export's input hooks): save refuses it and names the way out (wrap the whole step)."""
+
+    class Step(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    ep = torch.export.export(Step(), (torch.randn(2),))
+    prog = cf.optimize([ep], cf.Contract(clocks=(cf.Clock("f", 1),)), replay="off")
+    with pytest.raises(cf.ArtifactError, match="WHOLE_STEP"):
+        cf.save(prog, tmp_path / "step.cfx")
