@@ -248,8 +248,9 @@ class _Writer:
                 if getattr(mod, hooks, None):
                     raise ArtifactError(f"cadence_fx.save: {at} has {hooks}; a stored program cannot carry hooks")
             entry: dict[str, Any] = {"path": path}
+            guards = _export_guards(mod)
             if isinstance(mod, GraphModule):
-                entry["graph"] = _graph_enc(mod.graph, at)
+                entry["graph"] = _graph_enc(mod.graph, at, skip=guards)
             elif type(mod) is not torch.nn.Module:
                 raise ArtifactError(f"cadence_fx.save: {at} is a {type(mod).__qualname__}; only graph modules and "
                                     f"plain containers can be stored (the program must be what the passes produced)")
@@ -268,10 +269,10 @@ class _Writer:
                     raise ArtifactError(f"cadence_fx.save: {at} holds attribute {name!r} of type {type(v).__name__}, "
                                         f"which the artifact cannot store")
             entry["attrs"] = attrs
-            entry["children"] = list(mod._modules)
+            entry["children"] = [name for name in mod._modules if name not in guards]
             out.append(entry)
             for name, child in mod._modules.items():
-                if child is not None:
+                if child is not None and name not in guards:
                     walk(child, f"{path}.{name}" if path else name)
 
         walk(root, "")
@@ -279,9 +280,25 @@ class _Writer:
 
 
 # ---------------------------------------------------------------------- graphs
-def _graph_enc(graph: Graph, where: str) -> dict[str, Any]:
+def _export_guards(mod: torch.nn.Module) -> set[str]:
+    """The children of ``mod`` that are torch.export's input guard (``_guards_fn``, a generated checker
+    of the example shapes the program was specialised to), called for no value. They are not stored: a
+    loaded program dispatches every call on its exact signature (shapes, dtypes, scalar values), which
+    admits nothing the guard would let through, and the guard is code the artifact does not carry."""
+    if not isinstance(mod, GraphModule):
+        return set()
+    names = {name for name, child in mod._modules.items() if type(child).__name__ == "GuardsFn"}
+    for n in mod.graph.nodes:
+        if n.op == "call_module" and n.target in names and n.users:
+            names.discard(n.target)  # its result is used: not only a check, store it (or refuse) as it is
+    return names
+
+
+def _graph_enc(graph: Graph, where: str, *, skip: set[str] = frozenset()) -> dict[str, Any]:
     nodes = []
     for n in graph.nodes:
+        if n.op == "call_module" and n.target in skip:
+            continue
         try:
             target = _target_enc(n)
             args, kwargs = _enc(n.args), {k: _enc(x) for k, x in n.kwargs.items()}

@@ -299,3 +299,28 @@ def test_a_program_that_wraps_nothing_is_refused_with_the_way_out(tmp_path):
     prog = cf.optimize([ep], cf.Contract(clocks=(cf.Clock("f", 1),)), replay="off")
     with pytest.raises(cf.ArtifactError, match="WHOLE_STEP"):
         cf.save(prog, tmp_path / "step.cfx")
+
+
+def test_a_float16_autocast_step_with_export_guards_round_trips_bit_exact(tmp_path):
+    """A step with an autocast block (lowered by ``inline_autocast``) whose export carries torch.export's
+    input guard (``_guards_fn``): the guard is not stored (exact-signature dispatch admits less), and the
+    loaded program's stream equals the freshly optimized program's, bit for bit."""
+    import dataclasses
+
+    from tests.test_autocast import B, D, WINDOW, HalfAttention, _contract
+
+    contract = dataclasses.replace(_contract(WINDOW), wrap=(cf.WHOLE_STEP,))
+    example = {"x": torch.randn(B, 2, D), "cache": torch.zeros(B, 2, D, dtype=torch.float16)}
+    eps = cf.export_catalog(HalfAttention().eval(), contract, example)
+    prog = cf.optimize(eps, contract, replay="off")
+    assert any(type(m).__name__ == "GuardsFn" for gm in prog.graph_modules() for m in gm.modules())
+    cf.save(prog, tmp_path / "half.cfx")
+    loaded = cf.load(tmp_path / "half.cfx", replay="off")
+    g = torch.Generator().manual_seed(1)
+    c1 = c2 = torch.randn(B, 2, D, generator=g).half()
+    for _ in range(6):
+        x = torch.randn(B, 2, D, generator=g)
+        with torch.no_grad():
+            y1, c1 = prog(x, c1)
+            y2, c2 = loaded(x, c2)
+        assert torch.equal(y1, y2) and torch.equal(c1, c2)
