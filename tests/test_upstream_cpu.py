@@ -397,3 +397,15 @@ def test_full_step_0_1_2_float16():
     assert sha256_tensors([t for c in stock for t in c]) == sha256_tensors([t for c in ref for t in c])
     with pytest.raises(ValueError, match="half"):
         Token2WavStep(build_flow(up, cfg), None, cfg, float16=True)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "float16"])
+def test_example_state_is_shaped_and_typed_like_the_prompt_state(cfg, half):
+    """``example_state`` (what planning exports from, without running the prompt) has the shapes and
+    dtypes of the state ``setup`` returns: under the float16 switch the flow's caches are half."""
+    up = upstream("0.1.2")
+    flow = build_flow(up, cfg)
+    step = Token2WavStep(flow.half() if half else flow, build_vocoder(up, cfg), cfg, float16=half).eval()
+    state = step.setup(*example_prompt(cfg))
+    example = step.example_state()
+    assert {k: (v.shape, v.dtype) for k, v in example.items()} == {k: (v.shape, v.dtype) for k, v in state.items()}

@@ -252,14 +252,15 @@ class Token2WavStep(StreamingStep):
         t = cfg.prompt_frames if frames is None else frames
         encoder, cfm = _upstream(self.flow.encoder), _upstream(self.flow.decoder)
         dev = cfm.att_cache_buffer.device
+        flow = dict(device=dev, dtype=cfm.att_cache_buffer.dtype)  # half under the float16 switch
         d_k = cfg.output_size // cfg.attention_heads
         att = list(cfm.att_cache_buffer.shape)
         att[4] = t
-        state = {"conformer_cnn": torch.zeros(1, cfg.output_size, cfg.conv_cache_frames, device=dev),
+        state = {"conformer_cnn": torch.zeros(1, cfg.output_size, cfg.conv_cache_frames, **flow),
                  "conformer_att": torch.zeros(len(encoder.encoders) + len(encoder.up_encoders), 1,
-                                              cfg.attention_heads, t, 2 * d_k, device=dev),
+                                              cfg.attention_heads, t, 2 * d_k, **flow),
                  "estimator_cnn": torch.zeros_like(cfm.cnn_cache_buffer),
-                 "estimator_att": torch.zeros(att, device=dev)}
+                 "estimator_att": torch.zeros(att, **flow)}
         if self.vocoder is not None:
             state.update(mel_cache=torch.zeros(1, cfg.mel_channels, 0, device=dev),
                          source_cache=torch.zeros(1, 1, 0, device=dev), speech_cache=torch.zeros(1, 0, device=dev))
