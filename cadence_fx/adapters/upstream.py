@@ -23,7 +23,7 @@ import threading
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 
 PACKAGE = "stepaudio2"
@@ -101,7 +101,7 @@ def load_stepaudio2(root: str | Path) -> types.SimpleNamespace:
         pkg.__cadence_fx_root__ = key
         sys.modules[PACKAGE] = pkg
         try:
-            with _dynamo_config_preserved(), _placeholders(_UNUSED_IMPORTS):
+            with _dynamo_config_preserved(), placeholder_imports({name: _inert(name) for name in _UNUSED_IMPORTS}):
                 mods = {name: importlib.import_module(path) for name, path in _SUBMODULES.items()}
                 for name, path in _OPTIONAL.items():
                     mods[name] = importlib.import_module(path) if _exists(root, path) else None
@@ -143,25 +143,17 @@ def _purge() -> None:
 
 
 @contextmanager
-def _placeholders(names: tuple[str, ...]) -> Iterator[None]:
+def placeholder_imports(modules: Mapping[str, types.ModuleType]) -> Iterator[None]:
+    """Register ``modules`` (by dotted name) for the duration of an import, for each top-level package
+    that cannot be imported; they are removed again afterwards. An upstream release imports packages at
+    module level that the decoder never calls (audio I/O, checkpoint download); the stand-ins let that
+    import succeed without them, and raise if anything does call them."""
+    missing = {top for top in {name.split(".")[0] for name in modules} if not _importable(top)}
     added = []
-    for name in names:
-        if name in sys.modules:
+    for name, mod in modules.items():
+        if name.split(".")[0] not in missing or name in sys.modules:
             continue
-        try:
-            importlib.import_module(name)
-            continue
-        except ImportError:
-            pass
-        mod = types.ModuleType(name, "cadence_fx placeholder: imported but unused by the stepaudio2 decoder")
         mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
-
-        def _missing(attr: str, _name: str = name) -> object:
-            # AttributeError (not ImportError) so that hasattr()/inspect probing keeps working
-            raise AttributeError(f"{_name} is not installed; cadence_fx only satisfied an unused import "
-                                 f"of it (attribute {attr!r} requested)")
-
-        mod.__getattr__ = _missing  # type: ignore[method-assign]
         sys.modules[name] = mod
         added.append(name)
     try:
@@ -169,6 +161,29 @@ def _placeholders(names: tuple[str, ...]) -> Iterator[None]:
     finally:
         for name in added:
             sys.modules.pop(name, None)
+
+
+def _importable(name: str) -> bool:
+    if name in sys.modules:
+        return True
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
+def _inert(name: str) -> types.ModuleType:
+    """A module whose every attribute raises: for an import the stepaudio2 decoder never uses."""
+    mod = types.ModuleType(name, "cadence_fx placeholder: imported but unused by the stepaudio2 decoder")
+
+    def _missing(attr: str) -> object:
+        # AttributeError (not ImportError) so that hasattr()/inspect probing keeps working
+        raise AttributeError(f"{name} is not installed; cadence_fx only satisfied an unused import "
+                             f"of it (attribute {attr!r} requested)")
+
+    mod.__getattr__ = _missing  # type: ignore[method-assign]
+    return mod
 
 
 @contextmanager

@@ -19,16 +19,15 @@ bare package module is registered instead and only the submodules the step needs
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
 import importlib.util
 import os
 import re
 import sys
 import threading
 import types
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+
+from cadence_fx.adapters.upstream import placeholder_imports
 
 __all__ = ["MOSHI_VERSION", "UpstreamNotFound", "find_moshi_root", "load_moshi"]
 
@@ -132,7 +131,7 @@ def load_moshi(root: str | Path | None = None, *, version: str | None = MOSHI_VE
                 if name not in sys.modules:
                     sys.modules[name] = _bare_package(name, root)
                     added.append(name)
-            with _placeholders():
+            with placeholder_imports(_placeholder_modules()):
                 mods = {attr: importlib.import_module(path) for attr, path in _SUBMODULES.items()}
         except BaseException:
             for name in [n for n in sys.modules if n == PACKAGE or n.startswith(PACKAGE + ".")]:
@@ -185,31 +184,3 @@ def _placeholder_modules() -> dict[str, types.ModuleType]:
     spm.SentencePieceProcessor = type("SentencePieceProcessor", (), {"__init__": _unavailable("sentencepiece")})
     return {"huggingface_hub": hub, "huggingface_hub.errors": errors, "safetensors": st,
             "safetensors.torch": st_torch, "sentencepiece": spm}
-
-
-@contextmanager
-def _placeholders() -> Iterator[None]:
-    """Stand-ins for the packages (by top-level name) that are not installed, during the import only."""
-    added = []
-    mods = _placeholder_modules()
-    missing = {name.split(".")[0] for name in mods if not _importable(name.split(".")[0])}
-    for name, mod in mods.items():
-        if name.split(".")[0] not in missing:
-            continue
-        mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        sys.modules[name] = mod
-        added.append(name)
-    try:
-        yield
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-
-
-def _importable(name: str) -> bool:
-    if name in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
