@@ -193,7 +193,7 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
     host = hasattr(step, "host_restore")
     if host:
         step.host_restore(step.host_initial)
-    pcm, ms, snapshot = [], [], None
+    pcm, ms, snapshot, host_snapshot = [], [], None, None
     for k, f in enumerate(fresh):
         if restore and k == RESTORE_AT:
             st = {n: t.to(device, copy=True) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
