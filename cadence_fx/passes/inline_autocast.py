@@ -20,16 +20,13 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cadence_fx.passes import PassContext
-from cadence_fx.passes.inline_grad_regions import splice_subgraph
+from cadence_fx.passes.inline_grad_regions import hop_calls, splice_subgraph
 
 
 def inline_autocast(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Replace every ``wrap_with_autocast`` node by its retraced, explicitly cast subgraph."""
-    hop = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
     lowered = 0
-    for node in list(gm.graph.nodes):
-        if hop is None or node.op != "call_function" or node.target is not hop:
-            continue
+    for node in hop_calls(gm, "wrap_with_autocast"):
         device_type, dtype, enabled, cache_enabled, sub_node, *operands = node.args
         sub = getattr(gm, sub_node.target)
         traced = _retrace(sub, operands, gm, device_type, dtype, enabled, cache_enabled)

@@ -21,16 +21,20 @@ from cadence_fx.passes import PassContext
 
 def inline_grad_regions(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Splice every ``wrap_with_set_grad_enabled`` subgraph into the parent graph."""
-    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     inlined = 0
-    for node in list(gm.graph.nodes):
-        if hop is None or node.op != "call_function" or node.target is not hop:
-            continue
+    for node in hop_calls(gm, "wrap_with_set_grad_enabled"):
         splice_subgraph(gm, node, getattr(gm, node.args[1].target), node.args[2:])
         inlined += 1
     gm.graph.eliminate_dead_code()
     ctx.record("inline_grad_regions", inlined)
     return gm
+
+
+def hop_calls(gm: GraphModule, name: str) -> list[Node]:
+    """The calls of the higher-order op ``torch.ops.higher_order.<name>`` in ``gm``'s graph (none when
+    this torch has no such op)."""
+    hop = getattr(torch.ops.higher_order, name, None)
+    return [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
 
 
 def splice_subgraph(gm: GraphModule, node: Node, sub: GraphModule, operands: Sequence[object]) -> None:
