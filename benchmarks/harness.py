@@ -321,7 +321,7 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
     for r in rows:
         runs_of.setdefault(r["name"], set()).add(r.get("run", 0))
     summary: dict[str, dict] = {}
-    base_of: dict[int, dict] = {}
+    base_of: dict[tuple[str, int], dict] = {}  # (baseline cell, run) -> its summary
     for name, run in dict.fromkeys((r["name"], r.get("run", 0)) for r in rows):
         key = name if len(runs_of[name]) == 1 else f"{name} (run {run})"
         rs = [r for r in rows if r["name"] == name and r.get("run", 0) == run and "error" not in r]
@@ -339,7 +339,7 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
         own = rs[0].get("baseline", baseline)
         if own != baseline:
             s["baseline"] = own
-        if name in (baseline, own):
+        if name == own:  # a baseline cell (B0, or the stock cell of another path)
             base_of[(name, run)] = s
         b = base_of.get((own, run), {})
         s["speedup"] = b["p50_ms"] / p50 if exact and name != own and b else None
