@@ -139,7 +139,8 @@ class OptimizedProgram:
         store = StateStore({
             rp.name: torch.zeros(numel(rp.stored_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
             for rp in self.plan.regions} if self.state_rule else {})
-        tables = CatalogTables(constants=self._shared.constants, digests=self._shared.digests)
+        tables = CatalogTables(constants=self._shared.constants, digests=self._shared.digests,
+                               retraced=self._shared.retraced)
         runners = RunnerSet()
         private: dict[int, torch.Tensor] = {}
         entries = []

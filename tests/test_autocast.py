@@ -58,3 +58,25 @@ def test_an_autocast_block_is_lowered_and_bit_exact(state):
             y_r, cache_r = ref(x, cache_r)
             y_o, cache_o = prog(x, cache_o)
         assert torch.equal(y_r, y_o) and torch.equal(cache_r, cache_o)
+
+
+def test_sessions_on_several_lanes_through_a_lowered_autocast_block_are_exact():
+    """Each lane rewrites the programs again (the lowered block is retraced once and reused): two
+    sessions on two lanes each equal the unmodified programs, call after call."""
+    model = HalfAttention().eval()
+    contract = _contract(WINDOW)
+    example = {"x": torch.randn(B, 2, D), "cache": torch.zeros(B, 2, D, dtype=torch.float16)}
+    eps = cf.export_catalog(model, contract, example)
+    prog = cf.optimize(eps, contract, replay="off", lanes=2)
+    ref = cf.reference(eps)
+    a, b = prog.session("a"), prog.session("b")
+    g = torch.Generator().manual_seed(3)
+    cache_r = cache_a = cache_b = torch.randn(B, 2, D, generator=g).half()
+    for _ in range(5):
+        x = torch.randn(B, 2, D, generator=g)
+        with torch.no_grad():
+            y_r, cache_r = ref(x, cache_r)
+            y_a, cache_a = a(x, cache_a)
+            y_b, cache_b = b(x, cache_b)
+        for y, c in ((y_a, cache_a), (y_b, cache_b)):
+            assert torch.equal(y, y_r) and torch.equal(c, cache_r)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
@@ -58,6 +58,9 @@ class CatalogTables:
     workspaces: dict[tuple, SharedWorkspace] = field(default_factory=dict)
     # SHA-256 of the weights hoisted cones read, by (pointer, shape, stride, dtype, version)
     digests: dict[tuple, str] = field(default_factory=dict)
+    # autocast blocks retraced by ``inline_autocast``, by (subgraph code, autocast arguments, operands):
+    # every lane rewrites the same programs, and the retrace is the slow part of the pipeline
+    retraced: dict[tuple, GraphModule] = field(default_factory=dict)
 
 
 @dataclass

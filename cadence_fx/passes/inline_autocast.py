@@ -29,7 +29,13 @@ def inline_autocast(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in hop_calls(gm, "wrap_with_autocast"):
         device_type, dtype, enabled, cache_enabled, sub_node, *operands = node.args
         sub = getattr(gm, sub_node.target)
-        traced = _retrace(sub, operands, gm, device_type, dtype, enabled, cache_enabled)
+        vals = [_meta_value(a, gm) for a in operands]
+        key = (sub.code, device_type, dtype, enabled, cache_enabled,
+               tuple((tuple(v.shape), v.stride(), v.dtype, str(v.device), v.requires_grad)
+                     if isinstance(v, torch.Tensor) else repr(v) for v in vals))
+        traced = ctx.tables.retraced.get(key)
+        if traced is None:
+            traced = ctx.tables.retraced[key] = _retrace(sub, vals, device_type, dtype, enabled, cache_enabled)
         splice_subgraph(gm, node, traced, operands)
         lowered += 1
     gm.graph.eliminate_dead_code()
@@ -37,10 +43,11 @@ def inline_autocast(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-def _retrace(sub: GraphModule, operands: list, gm: GraphModule, device_type: str, dtype: torch.dtype | None,
+def _retrace(sub: GraphModule, vals: list, device_type: str, dtype: torch.dtype | None,
              enabled: bool, cache_enabled: bool | None) -> GraphModule:
     """``sub`` traced at the ATen level under ``autocast(device_type, dtype, enabled, cache_enabled)``
-    on fake tensors shaped like ``operands``; each new node keeps the meta of the node it came from."""
+    on fake tensors shaped like the operand values ``vals``; each new node keeps the meta of the node
+    it came from."""
     # a fresh mode without a shape environment: the program has static shapes, and tracing with
     # export's symbolic machinery costs many times as long for the same graph
     # ``requires_grad`` is copied too: ATen's ``matmul`` picks its kernels by it (it folds batch
@@ -49,7 +56,7 @@ def _retrace(sub: GraphModule, operands: list, gm: GraphModule, device_type: str
     with mode:
         fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).requires_grad_(
                      v.requires_grad) if isinstance(v, torch.Tensor) else v
-                 for v in (_meta_value(a, gm) for a in operands)]
+                 for v in vals]
 
     def run(*args: object) -> object:
         with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled,
