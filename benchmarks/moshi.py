@@ -19,6 +19,8 @@ tokens). Cells:
 - ``R``       replay only (one CUDA graph per step: the whole LM frame, sampling included; Mimi encode;
               Mimi decode), the state staged in and out of the graphs as plain inputs;
 - ``SR``      both rules: the graphs run on the region buffers, nothing staged;
+- ``E``       the exported steps as torch.export gives them (``ep.module()``), no cadence_fx: the program
+              every optimized cell must equal, run against the stock code it was exported from;
 - ``Snh``     S with Mimi's encode and decode contracts hoisting nothing (``hoist_constants=False,
               fold_weights=False``: weight norm and constant cones inline every call, as the stock code).
 
@@ -80,6 +82,9 @@ from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 STOCK_CELLS = ("B0", "B0b", "vendor")
 OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay="auto"),
              "SR": dict(state=True, replay="auto"),
+             # the exported steps run unmodified (``ep.module()``, no cadence_fx): where a cell parts from B0,
+             # says whether torch.export's program already does (then no pass is to blame)
+             "E": dict(state=False, replay="off", exported=True),
              # S with Mimi's constants and weight-derived cones computed inline every call (no hoisting)
              "Snh": dict(state=True, replay="off", mimi_hoist=False)}
 STAGES = ("encode", "lm", "decode")
@@ -369,7 +374,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
         eps = export_step_catalog(step, step.initial_state(), [{"x": examples[s]}], contracts[s])
         export_s[s] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        progs[s] = cf.optimize(eps, contracts[s], replay=spec["replay"], state=spec["state"])
+        progs[s] = (_Exported(eps) if spec.get("exported") else
+                    cf.optimize(eps, contracts[s], replay=spec["replay"], state=spec["state"]))
         optimize_s[s] = time.perf_counter() - t0
         del eps
         print(f"[{name}] {s}: export {export_s[s]:.1f} s, optimize {optimize_s[s]:.1f} s", file=sys.stderr, flush=True)
@@ -403,12 +409,39 @@ def run_opt_cell(args, name: str) -> list[dict]:
     res = stream(stages, pcm[:-1], steps.max_delay, device, probe)
     counters = {s: _delta(before[s], progs[s].counters()) for s in STAGES}
     prof = _profile(stages, pcm[-1])
-    state_info = {s: _state_info(progs[s], contracts[s], spec["state"]) for s in STAGES}
+    state_info = {s: ({} if spec.get("exported") else _state_info(progs[s], contracts[s], spec["state"]))
+                  for s in STAGES}
     notes = ", ".join(f"{s}: replays {c['replays']}, eager {c['eager']}" + (f" {c['rejections']}" if c["rejections"]
                                                                              else "") for s, c in counters.items())
     return [_row(name, res, prof, warm, notes, lane=args.lane, export_s=export_s, optimize_s=optimize_s,
                  counters=counters, state=state_info, released_stock_state_mib=released / 2**20,
                  memory={s: {k: v / 2**20 for k, v in progs[s].memory_census().items()} for s in STAGES})]
+
+
+class _Exported:
+    """The exported programs of one step run as torch.export gives them (cell ``E``): the one program
+    whose signature matches the call, through ``ep.module()``; the optimized program's accessors the cell
+    reads, with nothing to report."""
+
+    def __init__(self, eps) -> None:
+        self.modules = {}
+        for ep in eps:
+            metas = [n.meta["val"] for n in ep.graph.nodes if n.op == "placeholder"
+                     and n.name in ep.graph_signature.user_inputs]
+            self.modules[tuple((tuple(m.shape), m.dtype) for m in metas)] = ep.module()
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.dtype) for a in args)
+        return self.modules[key](*args)
+
+    def warmup(self, *_args) -> dict:
+        return {"seconds": 0.0}
+
+    def counters(self) -> dict:
+        return {"replays": 0, "eager": 0, "rejections": {}}
+
+    def memory_census(self) -> dict:
+        return {}
 
 
 def _initial(step, contract, regions_on_host: bool, device: str) -> dict[str, torch.Tensor]:

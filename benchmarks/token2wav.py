@@ -183,12 +183,18 @@ def pick_device() -> str:
 
 
 # --------------------------------------------------------------------------- streaming
-def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str, profile: bool):
-    """One block from the host-held initial state; returns (per-chunk ms, PCM sha256, profile)."""
+def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str, profile: bool,
+            on_host: frozenset[str] = frozenset()):
+    """One block from the host-held initial state; returns (per-chunk ms, PCM sha256, profile).
+
+    ``on_host``: state inputs passed from the host at the block's start and at the restore (an optimized
+    program's regions: it copies them into its buffers). A device copy of them would sit next to the
+    region buffers through the first call, in the peak, and no deployment needs it.
+    """
     torch.manual_seed(seed)
     if device == "cuda":
         torch.cuda.manual_seed(seed)
-    st = {k: v.to(device, copy=True) for k, v in state0.items()}
+    st = {k: v if k in on_host else v.to(device, copy=True) for k, v in state0.items()}
     # state held outside the carried tensors (the 1.0.7 BoundedVocoder's cache dict): restored with them
     host = hasattr(step, "host_restore")
     if host:
@@ -196,7 +202,8 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
     pcm, ms, snapshot, host_snapshot = [], [], None, None
     for k, f in enumerate(fresh):
         if restore and k == RESTORE_AT:
-            st = {n: t.to(device, copy=True) for n, t in snapshot.items()}  # foreign tensors: a turn boundary
+            # foreign tensors: a turn boundary
+            st = {n: t if n in on_host else t.to(device, copy=True) for n, t in snapshot.items()}
             if host:
                 step.host_restore(host_snapshot)
         args = step.next_args(f, st)
@@ -235,14 +242,16 @@ def _ready(device: str) -> None:
 
 
 def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None,
-            describe=lambda before, after: "", **extra) -> list[dict]:
+            describe=lambda before, after: "", on_host: frozenset[str] = frozenset(), **extra) -> list[dict]:
     """Stream every block; ``describe(counts() before, counts() after)`` is the block's note."""
     rows = []
     for block in range(args.blocks):
         fresh = step.fresh(args.chunks, spk, seed=block)
         restore = block == args.blocks - 1
         before = counts()
-        ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0)
+        ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0, on_host)
+        if block == 0 and args.memory_peak and device == "cuda":
+            _write_memory_peak(args.memory_peak, name)
         notes = ", ".join(x for x in (describe(before, counts()), "restore" if restore else "") if x)
         rows.append(_row(name, block, ms, sha, prof, warm, notes, **extra))
         print(f"[{name} block {block}] p50 {rows[-1]['p50_ms']:.1f} ms, peak {rows[-1]['peak_mib']} MiB, {notes}",
@@ -291,6 +300,8 @@ def run_stock_cell(args, name: str) -> list[dict]:
             _stream(fn, step, state0, step.fresh(4, spk, seed=EXPORT_SEED + rep), 0, False, device, False)
         warm = time.perf_counter() - t0
     _ready(device)
+    if args.memory_peak and device == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     if not name.startswith("vendor"):
         return _blocks(args, name, fn, step, state0, spk, device, warm, **extra)
     buckets = sorted(step.flow.decoder.estimator.graph_chunk)
@@ -327,8 +338,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
               "released_stock_mib": released / 2**20}
     # only the per-call inputs: warm-up captures on views of the region buffers, no state is needed
     first = step.fresh(1, spk)[0]
-    if args.memory_top and device == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    if (args.memory_top or args.memory_peak) and device == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
     fn, counts, decode, vocoder = prog, prog.counters, None, {}
     if not hift:
@@ -368,7 +379,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
                 f"(replays {replays}, eager {inner}), stock fallbacks {stock}")
 
     gate = {"baseline": HALF_BASELINE} if half else {"baseline": NEW_BASELINE} if not hift else {}
-    rows = _blocks(args, name, fn, step, state0, spk, device, warm, counts, describe, lane=args.lane, **gate,
+    on_host = frozenset(r.input for r in contract.regions) if spec["state"] else frozenset()
+    rows = _blocks(args, name, fn, step, state0, spk, device, warm, counts, describe, on_host, lane=args.lane, **gate,
                    export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory,
                    **({"vocoder": vocoder} if vocoder else {}))
     progs = {"": prog, **({f"vocoder.decode/finalize={f}/": p for f, p in decode.programs.items()} if decode else {})}
@@ -416,6 +428,39 @@ def _write_memory_top(path: str, name: str, top: int = 25) -> None:
             where = [f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
                      if fr["filename"].endswith(".py") or fr["filename"].startswith("<eval")][:6]
             f.write(f"{size / 2**20:9.1f} MiB pool={pool} {' <- '.join(where)}\n")
+
+
+def _write_memory_peak(path: str, name: str, top: int = 30) -> None:
+    """What the allocations made since recording began (warm-up and the first block) held at their
+    highest: the trace replayed event by event, the live set at the maximum grouped by where it was
+    allocated (the innermost frames of this project and of the model)."""
+    from collections import defaultdict
+
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    live: dict[int, tuple[int, list]] = {}
+    now = best = 0
+    best_live: dict[int, tuple[int, list]] = {}
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
+            now += ev["size"]
+            if now > best:
+                best, best_live = now, dict(live)
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, frames in best_live.values():
+        where = " <- ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
+                            if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
+        groups[where[:400]][0] += size
+        groups[where[:400]][1] += 1
+    with open(path, "a") as f:
+        f.write(f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
+                f"{len(best_live)} blocks ({len(trace)} events)\n")
+        for where, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+            f.write(f"{size / 2**20:9.1f} MiB {n:5d} blocks  {where}\n")
 
 
 CENSUS_FIELDS = {"parameters": "parameters_mib", "constants": "buffers_and_constants_mib", "regions": "regions_mib",
@@ -499,6 +544,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
     ap.add_argument("--memory-top", default=None, help="append the largest live blocks after warm-up to this file")
+    ap.add_argument("--memory-peak", default=None,
+                    help="append what was live at the device peak of warm-up + the first block to this file")
     harness.add_flags(ap, cells="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc,SRc1", blocks=4)
     args = ap.parse_args()
     if args.one:
@@ -508,6 +555,8 @@ def main() -> None:
     common = ["--blocks", str(args.blocks), "--chunks", str(args.chunks)] + (["--reduced"] if args.reduced else [])
     if args.memory_top:
         common += ["--memory-top", args.memory_top]
+    if args.memory_peak:
+        common += ["--memory-peak", args.memory_peak]
     report(harness.collect(args, __file__, common, per_block=False), args)
 
 
