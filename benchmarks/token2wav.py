@@ -456,6 +456,7 @@ def _write_memory_peak(path: str, name: str, top: int = 30) -> None:
                             if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
         groups[where[:400]][0] += size
         groups[where[:400]][1] += 1
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
                 f"{len(best_live)} blocks ({len(trace)} events)\n")

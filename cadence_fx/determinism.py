@@ -2,7 +2,12 @@
 that a baseline reproduces itself under them before comparing anything with it.
 
 The stock GPU baseline is not reproducible run to run as shipped; with cuDNN pinned
-(``deterministic=True``, ``benchmark=False``) it is. ``torch.use_deterministic_algorithms``
+(``deterministic=True``, ``benchmark=False``) and cuDNN's attention backend of
+``scaled_dot_product_attention`` turned off, it is. The attention: on an H200 the default SDPA
+dispatch picks cuDNN attention for a bf16 query against a masked KV ring, and moshi's stock eager
+stream run twice, each in its own process, parted from the 65th frame on (one attention call repeated
+within one process agrees with itself); with cuDNN attention off, SDPA dispatches to the
+memory-efficient kernel. ``torch.use_deterministic_algorithms``
 stays off by default: it is not needed for that, it raises on ops that lack a
 deterministic variant, wants ``CUBLAS_WORKSPACE_CONFIG``, and fills every new tensor
 (extra kernels inside captured graphs) unless
@@ -31,14 +36,16 @@ class NotReproducibleError(RuntimeError):
         super().__init__(f"run {run_index} differs from run 0: sha256 {digests[run_index]} != {digests[0]}")
 
 
-def pin_envelope(*, deterministic_algorithms: bool = False) -> dict[str, object]:
-    """Pin cuDNN to deterministic, non-benchmarked kernels and return the envelope applied.
+def pin_envelope(*, deterministic_algorithms: bool = False, cudnn_attention: bool = False) -> dict[str, object]:
+    """Pin cuDNN to deterministic, non-benchmarked kernels, turn cuDNN's SDPA backend off (unless
+    ``cudnn_attention``) and return the envelope applied.
 
     The returned dict also records the settings and versions that bound the envelope
     (TF32 flags, library versions), so it can be printed next to a result.
     """
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
     torch.use_deterministic_algorithms(deterministic_algorithms)
     return describe_envelope()
 
@@ -49,6 +56,7 @@ def describe_envelope() -> dict[str, object]:
     return {
         "cudnn.deterministic": torch.backends.cudnn.deterministic,
         "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "sdpa.cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "fill_uninitialized_memory": getattr(fill, "fill_uninitialized_memory", None),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -61,15 +69,16 @@ def describe_envelope() -> dict[str, object]:
 
 
 @contextmanager
-def envelope(*, deterministic_algorithms: bool = False) -> Iterator[dict[str, object]]:
+def envelope(*, deterministic_algorithms: bool = False, cudnn_attention: bool = False) -> Iterator[dict[str, object]]:
     """``pin_envelope`` for the duration of a ``with`` block; previous settings come back on exit."""
     previous = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
                 torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled())
+                torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     try:
-        yield pin_envelope(deterministic_algorithms=deterministic_algorithms)
+        yield pin_envelope(deterministic_algorithms=deterministic_algorithms, cudnn_attention=cudnn_attention)
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[:2]
+        torch.backends.cuda.enable_cudnn_sdp(previous[4])
         torch.use_deterministic_algorithms(previous[2], warn_only=previous[3])
 
 

@@ -429,19 +429,23 @@ def test_check_reproducible():
 
 def test_envelope_pins_and_restores():
     prev = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-            torch.are_deterministic_algorithms_enabled())
+            torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
     torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.enable_cudnn_sdp(True)
     try:
         with envelope() as applied:
             assert applied["cudnn.deterministic"] is True and applied["cudnn.benchmark"] is False
             assert applied["deterministic_algorithms"] is False
-        assert torch.backends.cudnn.benchmark is True
+            # cuDNN attention's results part across processes (moshi on an H200): off in the envelope
+            assert applied["sdpa.cudnn_attention"] is False and not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cudnn.benchmark is True and torch.backends.cuda.cudnn_sdp_enabled()
         applied = pin_envelope()
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-        assert "torch" in applied
+        assert "torch" in applied and not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev[:2]
         torch.use_deterministic_algorithms(prev[2])
+        torch.backends.cuda.enable_cudnn_sdp(prev[3])
 
 
 def test_capture_leaves_untouched_aliased_arguments_alone():
