@@ -163,9 +163,15 @@ class BoundedStream:
         return self.step.carry(outputs[1:])
 
     def __call__(self, *args):
+        return self._vocode(self.flow_fn(*args))
+
+    def stream(self, fresh, state):
+        """The stock stream, the state handed over (``flow_fn`` is ``driver_stream``; see ``_stream``)."""
+        return self._vocode(self.flow_fn(fresh, state))
+
+    def _vocode(self, out):
         from cadence_fx.adapters.token2wav import bounded_vocoder_stream
 
-        out = self.flow_fn(*args)
         return (bounded_vocoder_stream(self.vocoder, out[0], self.step.cfg), *out)
 
     def host_snapshot(self) -> tuple[dict, dict]:
@@ -184,8 +190,12 @@ def pick_device() -> str:
 
 # --------------------------------------------------------------------------- streaming
 def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str, profile: bool,
-            on_host: frozenset[str] = frozenset()):
+            on_host: frozenset[str] = frozenset(), owned: bool = False):
     """One block from the host-held initial state; returns (per-chunk ms, PCM sha256, profile).
+
+    ``owned``: ``fn(fresh, state)`` takes the state dict over (the stock driver's ``driver_stream``,
+    which empties it), so this loop holds no reference to the previous state through the call, as
+    ``Token2wav.stream`` holds none; otherwise ``fn(*args)``.
 
     ``on_host``: state inputs passed from the host at the block's start and at the restore (an optimized
     program's regions: it copies them into its buffers). A device copy of them would sit next to the
@@ -206,7 +216,7 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
             st = {n: t if n in on_host else t.to(device, copy=True) for n, t in snapshot.items()}
             if host:
                 step.host_restore(host_snapshot)
-        args = step.next_args(f, st)
+        args = (f, st) if owned else step.next_args(f, st)
         with torch.no_grad():
             out, t = harness.timed(fn, *args)
         ms.append(t)
@@ -218,7 +228,7 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
             host_snapshot = step.host_snapshot() if host else None
     prof = None
     if profile:  # one extra call after the timed stream, so profiling never distorts a timing
-        args = step.next_args(fresh[-1], st)
+        args = (fresh[-1], st) if owned else step.next_args(fresh[-1], st)
         with torch.no_grad():
             prof = harness.profile_calls(lambda: fn(*args), calls=1)
     return ms, sha256_tensors(pcm), prof
@@ -242,14 +252,15 @@ def _ready(device: str) -> None:
 
 
 def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None,
-            describe=lambda before, after: "", on_host: frozenset[str] = frozenset(), **extra) -> list[dict]:
+            describe=lambda before, after: "", on_host: frozenset[str] = frozenset(), owned: bool = False,
+            **extra) -> list[dict]:
     """Stream every block; ``describe(counts() before, counts() after)`` is the block's note."""
     rows = []
     for block in range(args.blocks):
         fresh = step.fresh(args.chunks, spk, seed=block)
         restore = block == args.blocks - 1
         before = counts()
-        ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0, on_host)
+        ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0, on_host, owned)
         if block == 0 and args.memory_peak and device == "cuda":
             _write_memory_peak(args.memory_peak, name)
         notes = ", ".join(x for x in (describe(before, counts()), "restore" if restore else "") if x)
@@ -268,16 +279,17 @@ def run_stock_cell(args, name: str) -> list[dict]:
     state0 = {k: v.cpu() for k, v in step.setup(tokens, mel, spk).items()}
     own = {HALF_BASELINE: HALF_BASELINE, NEW_BASELINE: NEW_BASELINE}.get(name)
     extra: dict = {"lane": args.lane, **({"baseline": own} if own else {})}
-    fn = step.driver_call
+    fn = step.driver_stream  # the state handed over: nothing here keeps the previous one alive
     if driver == "1.0.7":  # the stream: the step, then its BoundedVocoder on the step's mel, eagerly
-        step = fn = BoundedStream(step, build_bounded(cfg, device), step.driver_call)
+        step = BoundedStream(step, build_bounded(cfg, device), step.driver_stream)
+        fn = step.stream
     warm = 0.0
     counter = {"n": 0}
     if name in ("B0", HALF_BASELINE, NEW_BASELINE):
         # the envelope check: the stock code must reproduce its own bytes before any comparison
         fresh = step.fresh(args.chunks, spk, seed=0)
-        a = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
-        b = _stream(fn, step, state0, fresh, 1000, False, device, False)[1]
+        a = _stream(fn, step, state0, fresh, 1000, False, device, False, owned=True)[1]
+        b = _stream(fn, step, state0, fresh, 1000, False, device, False, owned=True)[1]
         extra.update(reproducible=a == b, envelope={k: str(v) for k, v in env.items()},
                      gpu=torch.cuda.get_device_name() if device == "cuda" else "cpu", torch=torch.__version__)
     elif name == "vendor":
@@ -297,16 +309,16 @@ def run_stock_cell(args, name: str) -> list[dict]:
         # compile and record every history extent the stream meets (three passes over the catalog:
         # cudagraph trees warm up, then record, before they replay)
         for rep in range(3):
-            _stream(fn, step, state0, step.fresh(4, spk, seed=EXPORT_SEED + rep), 0, False, device, False)
+            _stream(fn, step, state0, step.fresh(4, spk, seed=EXPORT_SEED + rep), 0, False, device, False, owned=True)
         warm = time.perf_counter() - t0
     _ready(device)
     if args.memory_peak and device == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     if not name.startswith("vendor"):
-        return _blocks(args, name, fn, step, state0, spk, device, warm, **extra)
+        return _blocks(args, name, fn, step, state0, spk, device, warm, owned=True, **extra)
     buckets = sorted(step.flow.decoder.estimator.graph_chunk)
     return _blocks(args, name, fn, step, state0, spk, device, warm, lambda: counter["n"],
-                   lambda b, a: f"vendor graph replays {a - b} (buckets {buckets})", **extra)
+                   lambda b, a: f"vendor graph replays {a - b} (buckets {buckets})", owned=True, **extra)
 
 
 def run_opt_cell(args, name: str) -> list[dict]:

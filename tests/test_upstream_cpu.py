@@ -374,6 +374,18 @@ def test_driver_state_handling_gives_the_stock_call_bytes(cfg):
     torch.manual_seed(11)
     driver = run_stream(step.driver_call, step, state, fresh)
     assert sha256_tensors([t for c in cloned for t in c]) == sha256_tensors([t for c in driver for t in c])
+    # driver_stream takes the state over, as Token2wav.stream owns its cache dict: the caller's dict
+    # is emptied on entry (nothing of the previous state lives through the call), same bytes
+    torch.manual_seed(11)
+    st, handed = {k: v.clone() for k, v in state.items()}, []
+    for f in fresh:
+        given = st
+        with torch.no_grad():
+            out = step.driver_stream(f, given)
+        assert given == {}
+        handed.append(tuple(t.clone() for t in out))  # the flow state may be views of the CFM workspace
+        st = step.carry(out)
+    assert sha256_tensors([t for c in handed for t in c]) == sha256_tensors([t for c in driver for t in c])
 
 
 def test_full_step_0_1_2_float16():

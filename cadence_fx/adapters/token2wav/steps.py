@@ -103,6 +103,9 @@ class EncoderStep(StreamingStep):
                 for _ in range(n_calls)]
 
 
+_FLOW_STATE = ("conformer_cnn", "conformer_att", "estimator_cnn", "estimator_att")
+
+
 class Token2WavStep(StreamingStep):
     """One streaming call of the stock driver: flow chunk, the trims and (0.1.2 driver) HiFT.
 
@@ -156,6 +159,11 @@ class Token2WavStep(StreamingStep):
         with self._autocast(kw["spk"]):
             chunk_mel, cache = inference_chunk(token=kw["token"], spk=kw["spk"], cache=cache, last_chunk=False,
                                                n_timesteps=self.n_timesteps)
+        # the driver replaces its cache dict here (``self.stream_cache = ...``): the old caches are gone
+        # before the trims allocate, and an eager caller that handed its state over (driver_stream)
+        # holds no second copy through them
+        for name in _FLOW_STATE:
+            kw[name] = None
         est = trim_estimator_cache(cache["estimator_att_cache"], cfg.prompt_frames, cfg.history_frames)
         conf = trim_conformer_cache(cache["conformer_att_cache"], cfg.prompt_frames, cfg.history_frames,
                                     driver=self.driver, depth=len(_upstream(self.flow.encoder).encoders))
@@ -201,9 +209,21 @@ class Token2WavStep(StreamingStep):
         """One call with the stock driver's own state handling (``Token2wav.stream``): the decorated
         ``flow.inference_chunk`` (its own inference mode), the trims, HiFT, and copies only of the
         vocoder caches, which the driver stores as ``x[..., -n:].clone().detach()``. No other copy:
-        the flow state is what ``inference_chunk`` returns, as the driver keeps it. The baseline for
-        memory; :meth:`stock_call` clones every output."""
-        kw = dict(zip(self.inputs, args))
+        the flow state is what ``inference_chunk`` returns, as the driver keeps it. :meth:`stock_call`
+        clones every output. The caller's ``args`` keep the previous state alive through the call;
+        :meth:`driver_stream` does not."""
+        return self._driver(dict(zip(self.inputs, args)))
+
+    def driver_stream(self, fresh: Mapping[str, torch.Tensor], state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """:meth:`driver_call` taking the state over, as the driver owns ``self.stream_cache``: ``state``
+        is emptied on entry, and the flow caches it held are released once ``inference_chunk`` returns
+        (the driver's reassignment), so no previous state lives through the trims. The baseline for
+        memory: its peak is the stock driver's."""
+        kw = {**fresh, **state}
+        state.clear()
+        return self._driver(kw)
+
+    def _driver(self, kw: dict[str, torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
         hift = self.vocoder.upstream if self.vocoder is not None else None
         outs = self._flow_and_vocoder(kw, self.flow.inference_chunk, hift)
         if hift is None:
