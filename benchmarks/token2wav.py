@@ -212,7 +212,9 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
     pcm, ms, snapshot, host_snapshot = [], [], None, None
     for k, f in enumerate(fresh):
         if restore and k == RESTORE_AT:
-            # foreign tensors: a turn boundary
+            # foreign tensors: a turn boundary. The carried state goes first, as a driver replacing its
+            # cache dict drops the old one; else both would sit in the restore block's peak
+            st.clear()
             st = {n: t if n in on_host else t.to(device, copy=True) for n, t in snapshot.items()}
             if host:
                 step.host_restore(host_snapshot)

@@ -320,3 +320,38 @@ def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object]
             for a in root.args:
                 stack.extend(a if isinstance(a, (list, tuple)) else [a])
     return total
+
+
+def node_args(n: Node) -> list[object]:
+    """A node's positional and keyword arguments, in one list."""
+    return [*n.args, *n.kwargs.values()]
+
+
+def written_attributes(gm: GraphModule) -> set[str]:
+    """Targets of ``gm``'s ``get_attr`` nodes that the program writes in place: in ``gm``'s own graph,
+    or in a sub-GraphModule it calls (directly, or behind a runner holding it as ``fn``), through the
+    input the attribute is passed as."""
+    written: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and is_mutating(n):
+            for a in node_args(n):
+                root = view_root(a)
+                if root is not None and root.op == "get_attr":
+                    written.add(root.target)
+        elif n.op == "call_module" and (sub := _sub_graph_module(getattr(gm, n.target, None))) is not None:
+            placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+            hit = {view_root(a) for m in sub.graph.nodes if is_mutating(m) for a in node_args(m)}
+            for ph, arg in zip(placeholders, n.args):
+                if ph in hit and isinstance(arg, Node):
+                    root = view_root(arg)
+                    if root is not None and root.op == "get_attr":
+                        written.add(root.target)
+    return written
+
+
+def _sub_graph_module(module: object) -> GraphModule | None:
+    if isinstance(module, GraphModule):
+        return module
+    inner = getattr(module, "fn", None)
+    return inner if isinstance(inner, GraphModule) else None
+

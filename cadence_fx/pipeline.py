@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from cadence_fx.passes import PassContext
+from cadence_fx.passes.bind_constants import bind_constants
 from cadence_fx.passes.carry_writeback import carry_writeback
 from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.inline_autocast import inline_autocast
@@ -29,6 +30,7 @@ PIPELINE = (
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     partition,            # one sub-GraphModule per wrapped invocation
+    bind_constants,       # weights a partition only reads -> its own attributes, not per-call inputs
     mark_replay,          # wrapped partitions -> annotated with what they alias, read and write
     mark_randomness,      # calls that draw from a generator -> annotated (per-session random streams)
 )

@@ -20,7 +20,7 @@ from cadence_fx.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.catalog import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
-from cadence_fx.graph_utils import numel
+from cadence_fx.graph_utils import numel, written_attributes
 from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
 from cadence_fx.passes.hoist_constants import FoldedWeights
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
@@ -335,7 +335,7 @@ class OptimizedProgram:
         stats = {k: v for k, v in self._stats.items() if isinstance(v, int)}
         bar = Progress("cadence_fx capture", sum(len(lane.catalog) for lane in self.lanes.lanes))
         for lane in self.lanes.lanes:
-            with self.lanes.take(lane.index), lane.state.preserved() as restored, \
+            with self.lanes.take(lane.index), lane.state.preserved(self._written_buffers(lane)) as restored, \
                     lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
                     lane.stream_context(), torch.no_grad():
                 for key, entry in lane.catalog.items():
@@ -352,6 +352,20 @@ class OptimizedProgram:
         self._stats.update(stats)
         return {"seconds": time.perf_counter() - t0,
                 "classes": {name: dict(eng.classes) for name, eng in self.runners().items()}}
+
+    def _written_buffers(self, lane: Lane) -> list[torch.Tensor]:
+        """Module tensors the lane's programs write in place besides its regions and workspaces (a
+        step's own call counter): warm-up runs the programs, so it puts these back as well."""
+        owned = lane.state.owned_storages()
+        out: dict[int, torch.Tensor] = {}
+        for entry in lane.catalog.values():
+            for target in written_attributes(entry.gm):
+                value: Any = entry.gm
+                for part in target.split("."):
+                    value = getattr(value, part, None)
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in owned:
+                    out.setdefault(id(value), value)
+        return list(out.values())
 
     def _warmup_args(self, lane: Lane, key: tuple, entry: Entry, example_args: Sequence[Any]) -> list[Any]:
         regions = {self._region_index[name]: name for name in entry.sites} if self.state_rule else {}

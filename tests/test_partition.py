@@ -3,6 +3,8 @@ the write analysis that decides what a capture has to snapshot."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import cadence_fx as cf
@@ -154,3 +156,52 @@ def test_split_at_names_a_missing_module_clearly():
     contract = dataclasses.replace(demo_contract(cfg), split_at=("solver.estimater",))
     with pytest.raises(cf.ContractError, match=r"Contract.split_at: 'solver.estimater' matches no node"):
         cf.optimize(export_catalog(model, demo_contract(cfg)), contract)
+
+
+class Counting(torch.nn.Module):
+    """A weight the step only reads, and a buffer it writes in place every call (a call counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.lin(x) * self.calls
+
+
+class CountingStep(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Counting()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) + 1
+
+
+def test_read_only_weights_become_the_partitions_own_not_per_call_inputs():
+    """bind_constants: the weight and bias the wrapped partition only reads are its own attributes (the
+    same tensors, no copy) and no longer inputs; the buffer it writes in place stays an input, so the
+    replay engine still snapshots and restores it around a capture. Warm-up puts the counter back too
+    (it runs the program once per class: before, the counter came out one call ahead and every later
+    output differed). Results equal the exported program's, call after call, counter included."""
+    torch.manual_seed(0)
+    step = CountingStep().eval()
+    x = torch.randn(2, 8)
+    ep = torch.export.export(step, (x,))
+    ref_mod = torch.export.export(copy.deepcopy(step), (x,)).module()  # a counter of its own
+    contract = cf.Contract(clocks=(cf.Clock("frame", 2),), wrap=("block",))
+    prog = cf.optimize(ep, contract, replay=FakeBackend())
+    assert prog.stats["passes"]["bind_constants"] == 2
+    gm = prog.graph_modules()[0]
+    call = next(n for n in gm.graph.nodes if n.op == "call_module" and n.meta.get(WRAPPED))
+    sub = getattr(gm, call.target)
+    inputs = [a.target for a in call.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    assert any("calls" in t for t in inputs) and not any("lin" in t for t in inputs), inputs
+    own = dict(sub.named_parameters())
+    assert {t.data_ptr() for t in own.values()} == {step.block.lin.weight.data_ptr(), step.block.lin.bias.data_ptr()}
+    prog.warmup(x)  # a capture: the counter it advanced is put back
+    for k in range(4):
+        xk = torch.randn(2, 8)
+        assert torch.equal(prog(xk), ref_mod(xk)), k

@@ -14,7 +14,7 @@ import math
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -114,20 +114,21 @@ class StateStore:
 
     # ------------------------------------------------------------------ warm-up
     @contextmanager
-    def preserved(self, extra_counters: Any = None) -> Iterator[frozenset[int]]:
-        """Run a block (warm-up) and put back every byte of state, the RNGs and the counts.
+    def preserved(self, extra: Sequence[torch.Tensor] = ()) -> Iterator[frozenset[int]]:
+        """Run a block (warm-up) and put back every byte of state, of ``extra`` (module buffers the
+        programs write in place), the RNGs and the counts.
 
         Copies go to the host: warm-up must not raise the device peak by the size of the state.
         Yields the storages restored here, which captures inside the block need not snapshot.
         """
-        state = self.tensors()
+        state = self.tensors() + [t for t in extra]
         saved = [t.to("cpu", copy=True) for t in state]
         rng = (torch.get_rng_state(), random.getstate(),
                torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
         counts = StateCounts(self.counts.adopted, self.counts.in_place)
         returned = dict(self._returned)
         try:
-            yield self.owned_storages()
+            yield self.owned_storages() | frozenset(t.untyped_storage().data_ptr() for t in extra)
         finally:
             with torch.no_grad():
                 for t, v in zip(state, saved):

@@ -1,0 +1,72 @@
+"""Constant binding: the weights and constants a partition only reads become its own attributes.
+
+``split_module`` (with the original order kept) leaves every ``get_attr`` in the outer graph and
+passes the tensor to each partition as an input. A partition replayed as a CUDA graph then pays, on
+every call, one attribute lookup in the outer graph and one signature check in the replay engine per
+weight: for the released Moshi LM about 260 weights next to its 100 state inputs, more host time than
+the state itself. A weight does not change between calls, so the partition reads it as its own
+attribute instead: the same tensor object, registered on the sub-module under the outer name (no
+copy), and the input goes away.
+
+Only tensors no node of the program writes in place are bound (a workspace, a region buffer or a
+counter stays an input, so the replay engine still sees, snapshots and restores what it writes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from cadence_fx.graph_utils import is_mutating, node_args, view_root, written_attributes
+from cadence_fx.passes import PassContext
+
+BOUND_PREFIX = "bound__"
+
+
+def bind_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
+    """Move every read-only ``get_attr`` input of a partition into the partition."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(getattr(gm, n.target, None), GraphModule)]
+    if not calls:
+        return gm
+    written = written_attributes(gm)
+    bound = 0
+    for call in calls:
+        sub: GraphModule = getattr(gm, call.target)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if call.kwargs or len(placeholders) != len(call.args):
+            continue  # not split_module's calling convention: leave it
+        sub_written = {view_root(a) for n in sub.graph.nodes if is_mutating(n) for a in node_args(n)}
+        keep_args = []
+        for ph, arg in zip(placeholders, call.args):
+            value = _attr(gm, arg) if isinstance(arg, Node) and arg.op == "get_attr" else None
+            if value is None or arg.target in written or ph in sub_written:
+                keep_args.append(arg)
+                continue
+            name = BOUND_PREFIX + arg.target.replace(".", "__")
+            if not hasattr(sub, name):
+                if isinstance(value, torch.nn.Parameter):
+                    sub.register_parameter(name, value)
+                else:
+                    sub.register_buffer(name, value, persistent=False)
+            with sub.graph.inserting_before(ph):
+                ref = sub.graph.get_attr(name)
+            ref.meta = dict(ph.meta)
+            ph.replace_all_uses_with(ref)
+            sub.graph.erase_node(ph)
+            bound += 1
+        if len(keep_args) != len(call.args):
+            call.args = tuple(keep_args)
+            sub.graph.lint()
+            sub.recompile()
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            gm.graph.erase_node(n)
+    ctx.record("bind_constants", bound)
+    return gm
+
+
+def _attr(gm: GraphModule, arg: Node) -> torch.Tensor | None:
+    value: object = gm
+    for part in arg.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
