@@ -93,6 +93,12 @@ _KERNEL_SETTINGS: dict[str, tuple[Callable[[], Any], str]] = {
     "cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark, "torch.backends.cudnn.benchmark = {v}"),
     "deterministic_algorithms": (torch.are_deterministic_algorithms_enabled,
                                  "torch.use_deterministic_algorithms({v})"),
+    # which attention kernels scaled_dot_product_attention may dispatch to
+    "sdpa.cudnn": (torch.backends.cuda.cudnn_sdp_enabled, "torch.backends.cuda.enable_cudnn_sdp({v})"),
+    "sdpa.flash": (torch.backends.cuda.flash_sdp_enabled, "torch.backends.cuda.enable_flash_sdp({v})"),
+    "sdpa.mem_efficient": (torch.backends.cuda.mem_efficient_sdp_enabled,
+                           "torch.backends.cuda.enable_mem_efficient_sdp({v})"),
+    "sdpa.math": (torch.backends.cuda.math_sdp_enabled, "torch.backends.cuda.enable_math_sdp({v})"),
 }
 
 

@@ -331,22 +331,91 @@ def written_attributes(gm: GraphModule) -> set[str]:
     """Targets of ``gm``'s ``get_attr`` nodes that the program writes in place: in ``gm``'s own graph,
     or in a sub-GraphModule it calls (directly, or behind a runner holding it as ``fn``), through the
     input the attribute is passed as."""
+    return set(attribute_writes(gm))
+
+
+# In-place ops that write their destination without reading it: a buffer written only by these before
+# any read in a call holds nothing from the previous call.
+_BLIND_WRITES = {"copy_", "fill_", "zero_", "index_copy_", "index_fill_", "masked_fill_", "scatter_"}
+
+
+def attribute_writes(gm: GraphModule) -> dict[str, bool]:
+    """Every ``get_attr`` target ``gm`` writes in place, mapped to whether a call can read what an
+    earlier call left in it (``True``: carried state) or not (``False``: scratch).
+
+    The program is walked in execution order, into the sub-GraphModules it calls (their inputs mapped
+    to the outer tensors). A target is carried when it is read before the call first writes it, or
+    written by an op that also reads its destination (``add_``, an accumulating ``index_put_``).
+    What a blind write (``copy_``, ``fill_``, ``index_copy_`` ...) does not cover and no write ever
+    touches stays what it was at load time, the same every call.
+    """
+    first: dict[str, str] = {}  # target -> "write" | "read" (its first access)
+    carried: set[str] = set()
     written: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and is_mutating(n):
-            for a in node_args(n):
-                root = view_root(a)
-                if root is not None and root.op == "get_attr":
-                    written.add(root.target)
-        elif n.op == "call_module" and (sub := _sub_graph_module(getattr(gm, n.target, None))) is not None:
-            placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
-            hit = {view_root(a) for m in sub.graph.nodes if is_mutating(m) for a in node_args(m)}
-            for ph, arg in zip(placeholders, n.args):
-                if ph in hit and isinstance(arg, Node):
-                    root = view_root(arg)
-                    if root is not None and root.op == "get_attr":
-                        written.add(root.target)
-    return written
+
+    def target_of(arg: object, env: dict[Node, str]) -> str | None:
+        root = view_root(arg)
+        if root is None:
+            return None
+        if root in env:
+            return env[root]
+        return str(root.target) if root.op == "get_attr" else None
+
+    def walk(graph: Graph, env: dict[Node, str], module: GraphModule) -> None:
+        for n in graph.nodes:
+            if n.op == "call_module":
+                sub = _sub_graph_module(getattr(module, n.target, None))
+                if sub is not None:
+                    inner = {}
+                    placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+                    for ph, a in zip(placeholders, n.args):
+                        t = target_of(a, env)
+                        if t is not None:
+                            inner[ph] = t
+                    walk(sub.graph, inner, sub)
+                continue
+            if n.op not in ("call_function", "output") or (n.op == "call_function" and (is_view(n) or _is_view_tuple(n))):
+                continue  # a view reads nothing: its users do, through view_root
+            dests = _written_args(n) if n.op == "call_function" else []
+            for a in _flat_args(n):
+                t = target_of(a, env)
+                if t is None:
+                    continue
+                if any(a is d for d in dests):
+                    written.add(t)
+                    reads_dest = overload_name(n) not in _BLIND_WRITES or (
+                        overload_name(n) == "scatter_" and "reduce" in n.kwargs)
+                    if reads_dest and t not in first:
+                        carried.add(t)
+                    first.setdefault(t, "write")
+                else:
+                    if first.setdefault(t, "read") == "read":
+                        carried.add(t)
+
+    walk(gm.graph, {}, gm)
+    return {t: t in carried for t in written}
+
+
+def _written_args(n: Node) -> list[object]:
+    """The arguments an in-place or ``out=`` ATen op writes (its schema's write aliases)."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(t._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            if arg.kwarg_only or arg.name in n.kwargs:
+                out.append(n.kwargs.get(arg.name))
+            elif i < len(n.args):
+                out.append(n.args[i])
+    return out
+
+
+def _flat_args(n: Node) -> list[object]:
+    flat: list[object] = []
+    for a in node_args(n):
+        flat.extend(a if isinstance(a, (list, tuple)) else [a])
+    return flat
 
 
 def _sub_graph_module(module: object) -> GraphModule | None:

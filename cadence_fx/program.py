@@ -20,7 +20,7 @@ from cadence_fx.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.catalog import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
-from cadence_fx.graph_utils import numel, written_attributes
+from cadence_fx.graph_utils import attribute_writes, numel
 from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
 from cadence_fx.passes.hoist_constants import FoldedWeights
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
@@ -263,6 +263,7 @@ class OptimizedProgram:
         """
         if not self.state_rule:
             raise ContractError("sessions need the state rule (optimize(..., state=True))")
+        self._refuse_undeclared_state("sessions")
         with self._session_lock:
             s = Session(self, name or f"session-{len(self._sessions)}", seed=seed)
             self._sessions[id(s)] = s
@@ -355,17 +356,42 @@ class OptimizedProgram:
 
     def _written_buffers(self, lane: Lane) -> list[torch.Tensor]:
         """Module tensors the lane's programs write in place besides its regions and workspaces (a
-        step's own call counter): warm-up runs the programs, so it puts these back as well."""
+        step's own call counter, a scratch buffer): warm-up runs the programs, so it puts these back."""
+        return [t for t, _carried in self._module_writes(lane).values()]
+
+    def undeclared_state(self, lane: Lane | None = None) -> dict[str, torch.Tensor]:
+        """Module tensors the programs write in place and read back in a later call that the contract
+        does not own (neither a region nor a workspace), by attribute name: state every caller of the
+        program shares (lane 0's programs, or ``lane``'s). Scratch the step writes before it reads
+        (the solver's per-step cache buffer) is not state and is not listed."""
+        return {name: t for name, (t, carried) in self._module_writes(lane).items() if carried}
+
+    def _module_writes(self, lane: Lane | None = None) -> dict[str, tuple[torch.Tensor, bool]]:
+        lane = lane if lane is not None else self.lanes.lanes[0]
         owned = lane.state.owned_storages()
-        out: dict[int, torch.Tensor] = {}
+        out: dict[str, tuple[torch.Tensor, bool]] = {}
+        seen: dict[int, str] = {}
         for entry in lane.catalog.values():
-            for target in written_attributes(entry.gm):
+            for target, carried in sorted(attribute_writes(entry.gm).items()):
                 value: Any = entry.gm
                 for part in target.split("."):
                     value = getattr(value, part, None)
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in owned:
-                    out.setdefault(id(value), value)
-        return list(out.values())
+                if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() in owned:
+                    continue
+                name = seen.setdefault(id(value), target)
+                out[name] = (value, carried or out.get(name, (value, False))[1])
+        return out
+
+    def _refuse_undeclared_state(self, what: str) -> None:
+        """Sessions and lanes each need their own copy of every piece of state: a module tensor the step
+        writes in place that the contract does not own would be one copy shared by all of them."""
+        undeclared = self.undeclared_state()
+        if undeclared:
+            raise ContractError(
+                f"{what} need every piece of state in the contract, but the step writes module tensor(s) "
+                f"{sorted(undeclared)} in place every call: one copy that every {what[:-1]} would share "
+                f"(the calls of one would change the bytes of another). Declare each as a Region (its input "
+                f"and output) or keep to one conversation and one lane.")
 
     def _warmup_args(self, lane: Lane, key: tuple, entry: Entry, example_args: Sequence[Any]) -> list[Any]:
         regions = {self._region_index[name]: name for name in entry.sites} if self.state_rule else {}

@@ -179,6 +179,14 @@ def test_another_torch_device_setting_or_contract_is_refused(demo, monkeypatch):
             cf.load(path)
     finally:
         torch.backends.cudnn.benchmark = previous
+    # the attention backends SDPA may pick are kernel settings too (cuDNN attention is off in the envelope)
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(not previous)
+        with pytest.raises(cf.ArtifactMismatch, match=r"enable_cudnn_sdp"):
+            cf.load(path)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     with pytest.raises(cf.ArtifactMismatch, match="built with torch"):
         cf.load(path)

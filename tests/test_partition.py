@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import cadence_fx as cf
@@ -205,3 +206,16 @@ def test_read_only_weights_become_the_partitions_own_not_per_call_inputs():
     for k in range(4):
         xk = torch.randn(2, 8)
         assert torch.equal(prog(xk), ref_mod(xk)), k
+
+
+def test_a_counter_the_step_keeps_in_its_module_refuses_sessions():
+    """A module buffer the step reads back in a later call (``calls.add_(1)``) is state the contract does
+    not own: sessions would share one copy (each one's calls would change the others' bytes), so
+    ``session()`` refuses, naming it; the program itself (one conversation) stays exact."""
+    step = CountingStep().eval()
+    x = torch.randn(2, 8)
+    contract = cf.Contract(clocks=(cf.Clock("frame", 2),), wrap=("block",))
+    prog = cf.optimize(torch.export.export(step, (x,)), contract, replay=FakeBackend())
+    assert list(prog.undeclared_state()) == ["block.calls"]
+    with pytest.raises(cf.ContractError, match=r"block\.calls.*Declare each as a Region"):
+        prog.session()

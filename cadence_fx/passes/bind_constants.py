@@ -3,8 +3,8 @@
 ``split_module`` (with the original order kept) leaves every ``get_attr`` in the outer graph and
 passes the tensor to each partition as an input. A partition replayed as a CUDA graph then pays, on
 every call, one attribute lookup in the outer graph and one signature check in the replay engine per
-weight: for the released Moshi LM about 260 weights next to its 100 state inputs, more host time than
-the state itself. A weight does not change between calls, so the partition reads it as its own
+weight: for the released Moshi LM hundreds of weights next to its 100 state inputs, more host time
+than the state itself. A weight does not change between calls, so the partition reads it as its own
 attribute instead: the same tensor object, registered on the sub-module under the outer name (no
 copy), and the input goes away.
 
