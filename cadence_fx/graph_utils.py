@@ -55,13 +55,26 @@ def view_root(node: object) -> Node | None:
 def written_in_place(node: object) -> Node | None:
     """The tensor an in-place op returns is its first argument, written: follow such returns
     (``cache.index_copy_(...)``, ``scatter_``, ``index_put_``) back to the tensor they wrote."""
-    while isinstance(node, Node) and node.op == "call_function" and is_mutating(node) and node.args \
-            and isinstance(node.args[0], Node):
+    while isinstance(node, Node) and node.op == "call_function" and is_mutating(node):
         rets = node.target._schema.returns
         if not rets or rets[0].alias_info is None or not rets[0].alias_info.is_write:
             break
-        node = node.args[0]
+        if is_out_op(node):  # ``op.out(..., out=t)`` returns ``t``
+            node = node.kwargs["out"]
+        elif node.args and isinstance(node.args[0], Node):
+            node = node.args[0]
+        else:
+            break
     return node if isinstance(node, Node) else None
+
+
+def is_out_op(node: Node) -> bool:
+    """An ``out=`` overload called with its ``out`` tensor (computes into it; reads nothing of it)."""
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload) or "out" not in node.kwargs:
+        return False
+    args = t._schema.arguments
+    return bool(args) and args[-1].name == "out" and args[-1].kwarg_only
 
 
 def shape_of(node: object) -> tuple[int, ...] | None:
@@ -293,9 +306,11 @@ def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object]
     cache: dict[Node, object] = {}
     writers: dict[object, list[Node]] = {}
     for n in graph.nodes:
-        if is_mutating(n) and n.args and isinstance(n.args[0], Node):
-            root = storage_root(n.args[0])
-            writers.setdefault(aliases.get(root, root), []).append(n)
+        if is_mutating(n):
+            for w in _written_args(n):
+                if isinstance(w, Node):
+                    root = storage_root(w)
+                    writers.setdefault(aliases.get(root, root), []).append(n)
     total = 0
     counted: set[Node] = set()
     roots: set[object] = set()
@@ -311,6 +326,8 @@ def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object]
             for w in writers.get(key, ()):  # everything written into this storage
                 if w not in counted:
                     counted.add(w)
+                    if is_out_op(w):  # arithmetic computed straight into the state: compute, not traffic
+                        continue
                     total += bytes_written(w, cache)
                     stack.extend(a for a in w.args[1:] if isinstance(a, Node))
         if root is not None and root.op == "call_function" and overload_name(root) in _MOVES and root not in counted:

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import is_region_attr
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
-from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_mutating, numel, output_node, overload_name,
-                                    set_flat_output, shape_of, view_root, written_in_place)
+from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_mutating, is_view, numel, output_node,
+                                    overload_name, set_flat_output, shape_of, view_root, written_in_place)
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import record_state_bytes
 
@@ -45,6 +46,7 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     buffers = {n for n in graph.nodes if n.op == "get_attr" and is_region_attr(n.target)}
     aliased_roots = buffers | {s.placeholder for s in ctx.program.regions.values()}
     copies = 0
+    written_direct = 0
     writers = _writers(graph)
     with graph.inserting_before(out):
         # outputs that are views of a region must be read before the region is rewritten
@@ -108,6 +110,9 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 else:
                     target = graph.call_function(aten.slice.Tensor, (dst, site.axis, p.dst_offset,
                                                                      p.dst_offset + p.length))
+                if len(staged) == 1 and _compute_into(graph, src, target, state, site, aliased_roots, writers):
+                    written_direct += 1
+                    continue
                 graph.call_function(aten.copy_.default, (target, src))
                 copies += 1
             if expected is not None:
@@ -116,7 +121,69 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     graph.eliminate_dead_code()
     record_state_bytes(gm, ctx, "optimized")
     ctx.record("retention_in_place", copies)
+    ctx.record("computed_into_region", written_direct)
     return gm
+
+
+def _compute_into(graph, src: Node, target: Node, state, site: RegionSite, aliased_roots: set[Node],
+                  writers: dict[Node, list[Node]]) -> bool:
+    """Compute a region's whole outgoing value straight into its buffer, instead of into a new tensor that
+    is then copied there: an elementwise op (a counter's ``torch.where(mask, offsets + T, offsets)``)
+    becomes its ``out=`` form writing a view of the buffer, in its own place in the graph, and its users
+    read that view. Same kernel, same elements in the same order, so the same bits; one copy fewer.
+
+    Only when nothing reads the region's old bytes after the op (the op itself may: an elementwise
+    kernel allows its output to overlap an input exactly, and the region input is the same view of the
+    buffer), nothing writes them before it, and its shape and dtype are the region's. ``target`` (the
+    copy's destination, unused here) is left for dead-code elimination. Returns whether it did.
+    """
+    op = src.target
+    if src.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or torch.Tag.pointwise not in op.tags:
+        return False
+    if site.live or tuple(site.out_shape) != tuple(site.shape) or state.placeholder in writers:
+        return False
+    val = src.meta.get("val")
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(site.out_shape) or val.dtype != site.dtype \
+            or not val.is_contiguous():
+        return False
+    region = {state.placeholder} | {n for n in graph.nodes if n.op == "get_attr" and n.target == state.buffer_attr}
+    for a in src.all_input_nodes:  # what it reads of the region is the input itself (an exact overlap)
+        if view_root(a) in region and a is not state.placeholder:
+            return False
+    after = False
+    for n in graph.nodes:  # nothing reads the old bytes once the op has written them
+        if n is src:
+            after = True
+            continue
+        if after and not is_view(n) and any(view_root(a) in region for a in n.all_input_nodes):
+            return False
+    out_op = _out_overload(op)
+    if out_op is None:
+        return False
+    with graph.inserting_before(src):
+        buf = graph.get_attr(state.buffer_attr)
+        dst = flat_view(graph, buf, 0, site.out_shape)
+        computed = graph.call_function(out_op, src.args, {**src.kwargs, "out": dst})
+    # the new nodes belong where src did (its wrapped invocation: one partition, not two)
+    n = buf
+    while n is not src:
+        n.meta = dict(src.meta) if n is computed else {k: v for k, v in src.meta.items() if k != "val"}
+        n = n.next
+    src.replace_all_uses_with(computed)
+    graph.erase_node(src)
+    return True
+
+
+def _out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The ``out=`` overload of ``op``: same arguments, plus the one it writes."""
+    args = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for name in op.overloadpacket.overloads():
+        cand = getattr(op.overloadpacket, name)
+        cargs = cand._schema.arguments
+        if cargs and cargs[-1].name == "out" and cargs[-1].kwarg_only \
+                and [(a.name, str(a.type)) for a in cargs[:-1]] == args:
+            return cand
+    return None
 
 
 # A compaction that moves a part toward the front of its own buffer by ``shift`` positions is done as
