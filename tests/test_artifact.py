@@ -203,8 +203,9 @@ def test_verify_mode_is_not_saved(demo, tmp_path):
 # --------------------------------------------------------------------------- Token2Wav, reduced sizes
 @pytest.fixture(scope="module")
 def token2wav(tmp_path_factory):
-    from tests.test_upstream_cpu import CALLS as T2W_CALLS
-    from tests.test_upstream_cpu import full_step_0_1_2
+    # the module pytest collected (tests/ is on sys.path): its catalog cache is shared with its tests
+    from test_upstream_cpu import CALLS as T2W_CALLS
+    from test_upstream_cpu import full_step_0_1_2
 
     from cadence_fx.adapters.token2wav import Token2WavConfig
 

@@ -182,8 +182,21 @@ def test_encoder_1_0_7_trim_is_not_one_region(cfg):
 
 
 # --------------------------------------------------------------------------- (c) the full step
+_CATALOGS: dict[tuple, tuple] = {}
+
+
 def full_step_0_1_2(cfg, granularity: str, *, seed: int):
-    """The 0.1.2 step with HiFT from the prompt, its contract at ``granularity`` and its exported catalog."""
+    """The 0.1.2 step with HiFT from the prompt, its contract at ``granularity`` and its exported catalog.
+
+    One export per ``(cfg, granularity, seed)`` for the whole session (test_artifact asks for the same
+    one): the export is the slow part on the CPU, and callers only read what it returns."""
+    key = (repr(cfg), granularity, seed)
+    if key not in _CATALOGS:
+        _CATALOGS[key] = _full_step_0_1_2(cfg, granularity, seed=seed)
+    return _CATALOGS[key]
+
+
+def _full_step_0_1_2(cfg, granularity: str, *, seed: int):
     up = upstream("0.1.2")
     step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
     prompt = example_prompt(cfg)
