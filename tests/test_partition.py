@@ -219,3 +219,41 @@ def test_a_counter_the_step_keeps_in_its_module_refuses_sessions():
     assert list(prog.undeclared_state()) == ["block.calls"]
     with pytest.raises(cf.ContractError, match=r"block\.calls.*Declare each as a Region"):
         prog.session()
+
+
+class Scratch(torch.nn.Module):
+    """A buffer the step writes before it reads it, every call: scratch, not state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("tmp", torch.zeros(2, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tmp.copy_(x * 2)
+        return self.tmp + 1
+
+
+class ScratchStep(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Scratch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x) - 1
+
+
+def test_scratch_written_inside_a_partition_is_each_lanes_own():
+    """A module buffer the wrapped partition writes (passed in by the outer graph) is scratch: sessions
+    are allowed, and each lane gets its own copy, since two lanes replaying at once would otherwise
+    write one tensor (before, only writes visible in the outer graph were privatized)."""
+    step = ScratchStep().eval()
+    x = torch.randn(2, 8)
+    contract = cf.Contract(clocks=(cf.Clock("frame", 2),), wrap=("block",))
+    prog = cf.optimize(torch.export.export(step, (x,)), contract, replay=FakeBackend(), lanes=2)
+    assert prog.undeclared_state() == {}
+    ptrs = []
+    for lane in prog.lanes.lanes:
+        gm = next(iter(lane.catalog.values())).gm
+        ptrs.append(gm.block.tmp.data_ptr())
+    assert ptrs[0] != ptrs[1]
+    assert torch.equal(prog(x), step(x))

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from cadence_fx.annotations import OWNED_PREFIX
 from cadence_fx.binding import RegionSite
-from cadence_fx.graph_utils import is_mutating, view_root
+from cadence_fx.graph_utils import attribute_writes
 from cadence_fx.runtime.catalog import Catalog
 from cadence_fx.runtime.runners import RunnerSet
 from cadence_fx.runtime.state import StateStore
@@ -123,18 +123,16 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], 
     """
     rebound = 0
     for mod in gm.modules():
-        graph = getattr(mod, "graph", None)
-        if graph is None or not isinstance(mod, GraphModule):
+        if not isinstance(mod, GraphModule):
             continue
-        for node in graph.nodes:
-            if not (is_mutating(node) and node.args and isinstance(node.args[0], Node)):
+        # written in the module's own graph or, through the input it is passed as, inside a partition
+        # it calls (a solver's per-step cache buffer: the root passes it, a partition writes it)
+        for target in sorted(attribute_writes(mod)):
+            if target.startswith(OWNED_PREFIX):
                 continue
-            root = view_root(node.args[0])
-            if root is None or root.op != "get_attr" or str(root.target).startswith(OWNED_PREFIX):
-                continue
-            owner_path, _, leaf = str(root.target).rpartition(".")
+            owner_path, _, leaf = target.rpartition(".")
             owner = mod.get_submodule(owner_path) if owner_path else mod
-            t = getattr(owner, leaf)
+            t = getattr(owner, leaf, None)
             if not isinstance(t, torch.Tensor):
                 continue
             if id(t) not in copies:
