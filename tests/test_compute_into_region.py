@@ -8,6 +8,7 @@ the old value is read after the op: then the in-place result would be read in it
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import cadence_fx as cf
@@ -67,3 +68,32 @@ def test_not_when_the_old_value_is_read_afterwards():
     assert prog.stats["passes"].get("computed_into_region", 0) == 0
     assert prog.stats["passes"]["retention_in_place"] == 1  # the stock value, copied in at the end
     assert all(torch.equal(a, b) for a, b in zip(_stream(prog), _stream(ep.module())))
+
+
+class ReturnsCounterTwice(torch.nn.Module):
+    """The new counter is the state output and also a plain output the caller may keep."""
+
+    def __init__(self, as_view: bool = False) -> None:
+        super().__init__()
+        self.as_view = as_view
+
+    def forward(self, x: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        new = torch.where(x[:, :1] > 0, count + 1, count)
+        return x * new, new, (new.view(1, 2) if self.as_view else new)
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["itself", "a-view"])
+def test_not_when_the_new_value_is_also_a_plain_output(as_view):
+    """A plain output must not become a view of the region buffer (the next call would overwrite what the
+    caller kept): the value stays a fresh tensor, copied into the buffer."""
+    x, count = torch.randn(2, 4), torch.zeros(2, 1)
+    ep = torch.export.export(ReturnsCounterTwice(as_view), (x, count))
+    contract = cf.Contract(clocks=(CLOCK,), regions=(
+        cf.Region("count", input="count", output=1, clock="frame", axis=1, order=None, retention=Ring(1), initial=1),),
+        wrap=(cf.WHOLE_STEP,))
+    prog = cf.optimize(ep, contract, replay="off")
+    assert prog.stats["passes"].get("computed_into_region", 0) == 0
+    y, state, kept = prog(x, count)
+    kept_before = kept.clone()
+    prog(torch.ones(2, 4), state)
+    assert torch.equal(kept, kept_before)

@@ -142,6 +142,12 @@ def _compute_into(graph, src: Node, target: Node, state, site: RegionSite, alias
         return False
     if site.live or tuple(site.out_shape) != tuple(site.shape) or state.placeholder in writers:
         return False
+    # returned elsewhere too, or a view of it (a plain output besides the state): that output must stay a
+    # fresh tensor, not a view of the buffer the next call overwrites
+    outs = flat_outputs(graph)
+    if any(isinstance(v, Node) and view_root(v) is src for i, v in enumerate(outs)
+           if i != site.region.output % len(outs)):
+        return False
     val = src.meta.get("val")
     if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(site.out_shape) or val.dtype != site.dtype \
             or not val.is_contiguous():
