@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cadence_fx as cf
 from cadence_fx.contract import Ring
@@ -97,3 +99,59 @@ def test_not_when_the_new_value_is_also_a_plain_output(as_view):
     kept_before = kept.clone()
     prog(torch.ones(2, 4), state)
     assert torch.equal(kept, kept_before)
+
+
+class Generated(torch.nn.Module):
+    """A state update made by one elementwise op (``op``), read afterwards as chosen: the new value by
+    the output (``reads_new``), the old one after the update (``reads_old_late``), the new one returned
+    a second time (``returns_new``)."""
+
+    OPS = {
+        "where": lambda x, c: torch.where(x[:, :1] > 0, c + 1, c),
+        "add": lambda x, c: torch.add(c, x[:, :1]),
+        "mul": lambda x, c: torch.mul(c, 0.5),
+        "clamp": lambda x, c: torch.clamp(c + x[:, :1], -2.0, 2.0),
+    }
+
+    def __init__(self, op: str, reads_new: bool, reads_old_late: bool, returns_new: bool) -> None:
+        super().__init__()
+        self.op, self.reads_new, self.reads_old_late, self.returns_new = op, reads_new, reads_old_late, returns_new
+
+    def forward(self, x: torch.Tensor, count: torch.Tensor):
+        new = self.OPS[self.op](x, count)
+        y = x * new if self.reads_new else x * 2
+        if self.reads_old_late:
+            y = y + count
+        return (y, new, new) if self.returns_new else (y, new)
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(sorted(Generated.OPS)), reads_new=st.booleans(), reads_old_late=st.booleans(),
+       returns_new=st.booleans(), seed=st.integers(0, 2**16))
+def test_generated_updates_are_exact_and_computed_in_only_when_safe(op, reads_new, reads_old_late, returns_new,
+                                                                    seed):
+    """Every generated step equals the exported program call after call (every output, the state
+    included), and the update is computed into the buffer exactly when nothing reads the old value
+    after it and it is not also a plain output."""
+    step = Generated(op, reads_new, reads_old_late, returns_new)
+    x, count = torch.randn(2, 4), torch.zeros(2, 1)
+    ep = torch.export.export(step, (x, count))
+    contract = cf.Contract(clocks=(CLOCK,), regions=(
+        cf.Region("count", input="count", output=1, clock="frame", axis=1, order=None, retention=Ring(1), initial=1),),
+        wrap=(cf.WHOLE_STEP,))
+    prog = cf.optimize(ep, contract, replay="off")
+    expect = not reads_old_late and not returns_new
+    assert (prog.stats["passes"].get("computed_into_region", 0) == 1) == expect
+    ref_mod = ep.module()
+    g = torch.Generator().manual_seed(seed)
+    c_ref = c_opt = torch.zeros(2, 1)
+    kept = []
+    for _ in range(5):
+        xk = torch.randn(2, 4, generator=g)
+        ref, opt = ref_mod(xk, c_ref), prog(xk, c_opt)
+        kept.append((opt, [t.clone() for t in ref]))
+        assert all(torch.equal(a, b) for a, b in zip(opt, ref))
+        c_ref, c_opt = ref[1], opt[1]
+    # what the caller kept of earlier calls is unchanged, except the state each call handed on
+    for opt, ref in kept[:-1]:
+        assert torch.equal(opt[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(opt[2:], ref[2:]))
