@@ -339,16 +339,12 @@ def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object]
     return total
 
 
-def node_args(n: Node) -> list[object]:
-    """A node's positional and keyword arguments, in one list."""
-    return [*n.args, *n.kwargs.values()]
-
-
-def written_attributes(gm: GraphModule) -> set[str]:
-    """Targets of ``gm``'s ``get_attr`` nodes that the program writes in place: in ``gm``'s own graph,
-    or in a sub-GraphModule it calls (directly, or behind a runner holding it as ``fn``), through the
-    input the attribute is passed as."""
-    return set(attribute_writes(gm))
+def fetch_attr(module: torch.nn.Module, target: str) -> object:
+    """What a ``get_attr`` target names on ``module`` (a dotted path); ``None`` where it names nothing."""
+    value: object = module
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 # In-place ops that write their destination without reading it: a buffer written only by these before
@@ -370,32 +366,29 @@ def attribute_writes(gm: GraphModule) -> dict[str, bool]:
     carried: set[str] = set()
     written: set[str] = set()
 
-    def target_of(arg: object, env: dict[Node, str]) -> str | None:
+    def target_of(arg: object, env: dict[Node, str], prefix: str) -> str | None:
         root = view_root(arg)
         if root is None:
             return None
         if root in env:
             return env[root]
-        return str(root.target) if root.op == "get_attr" else None
+        return prefix + str(root.target) if root.op == "get_attr" else None
 
-    def walk(graph: Graph, env: dict[Node, str], module: GraphModule) -> None:
+    def walk(graph: Graph, env: dict[Node, str], module: GraphModule, prefix: str) -> None:
         for n in graph.nodes:
             if n.op == "call_module":
                 sub = _sub_graph_module(getattr(module, n.target, None))
                 if sub is not None:
-                    inner = {}
                     placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
-                    for ph, a in zip(placeholders, n.args):
-                        t = target_of(a, env)
-                        if t is not None:
-                            inner[ph] = t
-                    walk(sub.graph, inner, sub)
+                    inner = {ph: t for ph, a in zip(placeholders, n.args) if (t := target_of(a, env, prefix)) is not None}
+                    # a partition's own attributes are named from gm, through the partition
+                    walk(sub.graph, inner, sub, f"{prefix}{n.target}.")
                 continue
             if n.op not in ("call_function", "output") or (n.op == "call_function" and (is_view(n) or _is_view_tuple(n))):
                 continue  # a view reads nothing: its users do, through view_root
             dests = _written_args(n) if n.op == "call_function" else []
             for a in _flat_args(n):
-                t = target_of(a, env)
+                t = target_of(a, env, prefix)
                 if t is None:
                     continue
                 if any(a is d for d in dests):
@@ -409,7 +402,7 @@ def attribute_writes(gm: GraphModule) -> dict[str, bool]:
                     if first.setdefault(t, "read") == "read":
                         carried.add(t)
 
-    walk(gm.graph, {}, gm)
+    walk(gm.graph, {}, gm, "")
     return {t: t in carried for t in written}
 
 
@@ -430,7 +423,7 @@ def _written_args(n: Node) -> list[object]:
 
 def _flat_args(n: Node) -> list[object]:
     flat: list[object] = []
-    for a in node_args(n):
+    for a in [*n.args, *n.kwargs.values()]:
         flat.extend(a if isinstance(a, (list, tuple)) else [a])
     return flat
 

@@ -20,7 +20,7 @@ from cadence_fx.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.catalog import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
-from cadence_fx.graph_utils import attribute_writes, numel
+from cadence_fx.graph_utils import attribute_writes, fetch_attr, numel
 from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
 from cadence_fx.passes.hoist_constants import FoldedWeights
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
@@ -105,6 +105,7 @@ class OptimizedProgram:
         self._sessions: dict[int, Session] = {}
         self._owners: dict[int, Any] = {}
         self._session_lock = threading.Lock()
+        self._writes_by_lane: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
 
     def _assemble(self, lanes: int) -> None:
         """Build lane 0 (recording the passes' counts), check the extents, build the other lanes."""
@@ -367,19 +368,22 @@ class OptimizedProgram:
         return {name: t for name, (t, carried) in self._module_writes(lane).items() if carried}
 
     def _module_writes(self, lane: Lane | None = None) -> dict[str, tuple[torch.Tensor, bool]]:
+        """``{attribute: (tensor, carried)}`` of :func:`attribute_writes` over the lane's programs, less
+        what the lane owns; worked out once per lane (the programs do not change after they are built)."""
         lane = lane if lane is not None else self.lanes.lanes[0]
+        if lane.index in self._writes_by_lane:
+            return self._writes_by_lane[lane.index]
         owned = lane.state.owned_storages()
         out: dict[str, tuple[torch.Tensor, bool]] = {}
         seen: dict[int, str] = {}
         for entry in lane.catalog.values():
             for target, carried in sorted(attribute_writes(entry.gm).items()):
-                value: Any = entry.gm
-                for part in target.split("."):
-                    value = getattr(value, part, None)
+                value = fetch_attr(entry.gm, target)
                 if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() in owned:
                     continue
                 name = seen.setdefault(id(value), target)
                 out[name] = (value, carried or out.get(name, (value, False))[1])
+        self._writes_by_lane[lane.index] = out
         return out
 
     def _refuse_undeclared_state(self, what: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.graph_utils import is_mutating, node_args, view_root, written_attributes
+from cadence_fx.graph_utils import attribute_writes, fetch_attr
 from cadence_fx.passes import PassContext
 
 BOUND_PREFIX = "bound__"
@@ -28,18 +28,17 @@ def bind_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(getattr(gm, n.target, None), GraphModule)]
     if not calls:
         return gm
-    written = written_attributes(gm)
+    written = attribute_writes(gm)  # also what a partition writes through the input it is passed as
     bound = 0
     for call in calls:
         sub: GraphModule = getattr(gm, call.target)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         if call.kwargs or len(placeholders) != len(call.args):
             continue  # not split_module's calling convention: leave it
-        sub_written = {view_root(a) for n in sub.graph.nodes if is_mutating(n) for a in node_args(n)}
         keep_args = []
         for ph, arg in zip(placeholders, call.args):
-            value = _attr(gm, arg) if isinstance(arg, Node) and arg.op == "get_attr" else None
-            if value is None or arg.target in written or ph in sub_written:
+            value = fetch_attr(gm, arg.target) if isinstance(arg, Node) and arg.op == "get_attr" else None
+            if not isinstance(value, torch.Tensor) or arg.target in written:
                 keep_args.append(arg)
                 continue
             name = BOUND_PREFIX + arg.target.replace(".", "__")
@@ -64,9 +63,3 @@ def bind_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
     ctx.record("bind_constants", bound)
     return gm
 
-
-def _attr(gm: GraphModule, arg: Node) -> torch.Tensor | None:
-    value: object = gm
-    for part in arg.target.split("."):
-        value = getattr(value, part, None)
-    return value if isinstance(value, torch.Tensor) else None

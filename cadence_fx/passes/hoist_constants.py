@@ -28,7 +28,7 @@ from torch.fx.node import map_arg
 
 from cadence_fx.annotations import CONST_PREFIX
 from cadence_fx.determinism import bits_equal, sha256_tensors
-from cadence_fx.graph_utils import is_mutating, is_random, is_view, overload_name, register_tensor, view_root
+from cadence_fx.graph_utils import fetch_attr, is_mutating, is_random, is_view, overload_name, register_tensor, view_root
 from cadence_fx.passes import PassContext
 
 # Factory ops whose result is fully determined by their arguments. ``empty*`` is left out:
@@ -116,9 +116,7 @@ def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if node in env:
             return env[node]
         if node.op == "get_attr":
-            val = gm
-            for part in node.target.split("."):
-                val = getattr(val, part)
+            val = fetch_attr(gm, node.target)
         else:
             args = map_arg(node.args, evaluate)
             kwargs = map_arg(node.kwargs, evaluate)

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from cadence_fx.graph_utils import fetch_attr
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.inline_grad_regions import hop_calls, splice_subgraph
 
@@ -73,10 +74,7 @@ def _meta_value(arg: object, gm: GraphModule) -> object:
     if not isinstance(arg, Node):
         return arg
     if arg.op == "get_attr":
-        obj = gm
-        for part in str(arg.target).split("."):
-            obj = getattr(obj, part)
-        return obj
+        return fetch_attr(gm, str(arg.target))
     if "val" not in arg.meta:
         raise ValueError(f"inline_autocast: operand {arg.name} has no example value (meta['val'])")
     return arg.meta["val"]

@@ -103,6 +103,9 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 if src is None:
                     copies += _shift(graph, buf, p, inner)
                     continue
+                if len(staged) == 1 and _compute_into(graph, src, state, site, writers):
+                    written_direct += 1
+                    continue
                 pshape = list(out_shape)
                 pshape[site.axis] = p.length
                 if leading:
@@ -110,9 +113,6 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 else:
                     target = graph.call_function(aten.slice.Tensor, (dst, site.axis, p.dst_offset,
                                                                      p.dst_offset + p.length))
-                if len(staged) == 1 and _compute_into(graph, src, target, state, site, aliased_roots, writers):
-                    written_direct += 1
-                    continue
                 graph.call_function(aten.copy_.default, (target, src))
                 copies += 1
             if expected is not None:
@@ -125,8 +125,7 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
-def _compute_into(graph, src: Node, target: Node, state, site: RegionSite, aliased_roots: set[Node],
-                  writers: dict[Node, list[Node]]) -> bool:
+def _compute_into(graph, src: Node, state, site: RegionSite, writers: dict[Node, list[Node]]) -> bool:
     """Compute a region's whole outgoing value straight into its buffer, instead of into a new tensor that
     is then copied there: an elementwise op (a counter's ``torch.where(mask, offsets + T, offsets)``)
     becomes its ``out=`` form writing a view of the buffer, in its own place in the graph, and its users
@@ -134,8 +133,8 @@ def _compute_into(graph, src: Node, target: Node, state, site: RegionSite, alias
 
     Only when nothing reads the region's old bytes after the op (the op itself may: an elementwise
     kernel allows its output to overlap an input exactly, and the region input is the same view of the
-    buffer), nothing writes them before it, and its shape and dtype are the region's. ``target`` (the
-    copy's destination, unused here) is left for dead-code elimination. Returns whether it did.
+    buffer), nothing writes them before it, and its shape and dtype are the region's. Returns whether
+    it did.
     """
     op = src.target
     if src.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or torch.Tag.pointwise not in op.tags:

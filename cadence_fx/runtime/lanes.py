@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 
 from cadence_fx.annotations import OWNED_PREFIX
 from cadence_fx.binding import RegionSite
-from cadence_fx.graph_utils import attribute_writes
+from cadence_fx.graph_utils import attribute_writes, fetch_attr
 from cadence_fx.runtime.catalog import Catalog
 from cadence_fx.runtime.runners import RunnerSet
 from cadence_fx.runtime.state import StateStore
@@ -131,7 +131,7 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], 
             if target.startswith(OWNED_PREFIX):
                 continue
             owner_path, _, leaf = target.rpartition(".")
-            owner = mod.get_submodule(owner_path) if owner_path else mod
+            owner = fetch_attr(mod, owner_path) if owner_path else mod
             t = getattr(owner, leaf, None)
             if not isinstance(t, torch.Tensor):
                 continue

@@ -121,7 +121,7 @@ class StateStore:
         Copies go to the host: warm-up must not raise the device peak by the size of the state.
         Yields the storages restored here, which captures inside the block need not snapshot.
         """
-        state = self.tensors() + [t for t in extra]
+        state = self.tensors() + list(extra)
         saved = [t.to("cpu", copy=True) for t in state]
         rng = (torch.get_rng_state(), random.getstate(),
                torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
