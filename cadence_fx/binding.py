@@ -8,7 +8,8 @@ plan and the passes see the same, already validated, view of the program.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+import math
+from typing import Iterator, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -28,6 +29,10 @@ class RegionSite:
     dtype: torch.dtype
     device: torch.device
     live: tuple[tuple[int, int], ...] = ()  # (dim, live size) for dims with dead stock capacity
+    # the envelope layout (``RegionPlan.layout``): the buffer is this shape (the live shape with the
+    # clock axis at its longest in-flight extent) and a state of extent T is ``narrow(axis, 0, T)``;
+    # None: the state is the contiguous prefix of the flat buffer
+    envelope: tuple[int, ...] | None = None
 
     @property
     def live_shape(self) -> tuple[int, ...]:
@@ -37,6 +42,25 @@ class RegionSite:
     @property
     def live_out_shape(self) -> tuple[int, ...]:
         return _restrict(self.out_shape, self.live)
+
+    def state_view(self, buf: torch.Tensor, shape: Sequence[int], *, layout: bool = True) -> torch.Tensor:
+        """The view of flat buffer ``buf`` that holds a state of ``shape`` (live dims only).
+
+        ``layout=False``: the contiguous prefix whatever the region's layout (a session's own
+        buffers, which only store the state between calls and are never addressed by a graph)."""
+        shape = tuple(shape)
+        n = math.prod(shape)
+        env = self.envelope if layout else None
+        if env is None:
+            if n > buf.numel():
+                raise ValueError(f"region {self.region.name!r}: a state of shape {shape} exceeds the contract-owned "
+                                 f"buffer ({buf.numel()} elements)")
+            return buf[:n].view(shape)
+        if len(shape) != len(env) or any(a != b for i, (a, b) in enumerate(zip(shape, env)) if i != self.axis) \
+                or shape[self.axis] > env[self.axis]:
+            raise ValueError(f"region {self.region.name!r}: a state of shape {shape} does not fit the region's "
+                             f"envelope {env} (equal outside axis {self.axis}, at most {env[self.axis]} on it)")
+        return buf[: math.prod(env)].view(env).narrow(self.axis, 0, shape[self.axis])
 
     @property
     def extent(self) -> int:

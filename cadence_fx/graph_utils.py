@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -154,30 +156,119 @@ def reach(roots: Sequence[Node], shape: Sequence[int]) -> tuple[list[int], list[
     bounds = [0] * len(shape)
     rewrites: list[tuple[Node, tuple]] = []
     for root in roots:
-        view = _View(list(range(len(shape))), {d: 0 for d in range(len(shape))}, dict(enumerate(shape)))
-        if not _walk(root, view, bounds, rewrites):
+        found = access_boxes(root, shape, rewrites)
+        if found is None:
             return None
+        for _user, _view, box in found:
+            for d, (_s, e) in enumerate(box):
+                bounds[d] = max(bounds[d], e)
     return bounds, rewrites
 
 
-def _walk(node: Node, view: _View, bounds: list[int], rewrites: list) -> bool:
-    """Follow every use of ``node``; widen ``bounds`` to what each can reach. False: cannot bound."""
-    for user in node.users:
-        name = overload_name(user)
-        if name in _ESCAPING:
-            return False
-        if name in _SLICES and user.args[0] is node and not user.kwargs:
-            new, args = _narrow(user, view)
-            if new is None:
+def access_boxes(root: Node, shape: Sequence[int], rewrites: list[tuple[Node, tuple]] | None = None,
+                 ) -> list[tuple[Node, Node, list[tuple[int, int]]]] | None:
+    """Every use of tensor ``root`` (of ``shape``) past its slice / narrow / select chains, with the box
+    it can touch: ``[(user, the view it uses, [(start, end) per dim of root])]``. None when a use can
+    escape (``as_strided`` and friends) or an index is not a constant. ``rewrites`` collects each chain
+    op with its indices in non-negative form."""
+    out: list[tuple[Node, Node, list[tuple[int, int]]]] = []
+
+    def walk(node: Node, view: _View) -> bool:
+        for user in node.users:
+            name = overload_name(user)
+            if name in _ESCAPING:
                 return False
-            rewrites.append((user, args))
-            if not _walk(user, new, bounds, rewrites):
-                return False
+            if name in _SLICES and user.args[0] is node and not user.kwargs:
+                new, args = _narrow(user, view)
+                if new is None:
+                    return False
+                if rewrites is not None:
+                    rewrites.append((user, args))
+                if not walk(user, new):
+                    return False
+                continue
+            out.append((user, node, [(view.start[d], view.start[d] + view.length[d]) for d in range(len(shape))]))
+        return True
+
+    ok = walk(root, _View(list(range(len(shape))), {d: 0 for d in range(len(shape))}, dict(enumerate(shape))))
+    return out if ok else None
+
+
+# Consumers whose result does not depend on the strides of what they read: they only move elements.
+_ELEMENT_MOVES = {"cat", "stack", "clone", "contiguous", "_to_copy", "copy"}
+
+
+def is_guard(node: Node) -> bool:
+    """The unlifted module's input-shape guard: it reads shapes, never elements."""
+    return node.op == "call_module" and str(node.target).startswith("_guards")
+
+
+def is_view_op(node: Node) -> bool:
+    return is_view(node) or node.target is operator.getitem
+
+
+def leaf_consumers(user: Node) -> list[Node]:
+    """What reads the elements a use reaches: the use itself, or (a view) what reads that view."""
+    return element_readers(user) if is_view_op(user) else [user]
+
+
+def element_readers(node: Node) -> list[Node]:
+    """The nodes that read ``node``'s elements: its users, through views (and split items)."""
+    out, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if is_view_op(u) and u.args and u.args[0] is n:
+                stack.append(u)
+            else:
+                out.append(u)
+    return out
+
+
+def stride_independent(consumer: Node, view: Node) -> bool:
+    """Whether what ``consumer`` computes from ``view`` has the same bits whatever ``view``'s strides:
+    it only moves elements (cat, copy, clone) or maps them one by one (a pointwise op). A reduction or
+    a matmul may order its sums by the layout, so it is not."""
+    name = overload_name(consumer)
+    t = consumer.target
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags and not is_mutating(consumer):
+        return True
+    if name == "copy_":  # reading it as the source; a destination is a write, not a read
+        return consumer.args[0] is not view and view_root(consumer.args[0]) is not view_root(view)
+    if name == "_to_copy":
+        val = consumer.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.dtype == view.meta.get("val", val).dtype
+    return name in _ELEMENT_MOVES
+
+
+def box_covered(box: Sequence[tuple[int, int]], cover: Sequence[Sequence[tuple[int, int]]],
+                _budget: list[int] | None = None) -> bool:
+    """Whether the union of the boxes ``cover`` contains ``box`` (boxes as [(start, end) per dim]).
+
+    Splits ``box`` around each overlapping cover box in turn; a pattern that needs more than a few
+    thousand pieces answers False (the caller then leaves the program stock)."""
+    budget = [4096] if _budget is None else _budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    if any(e <= s for s, e in box):
+        return True
+    for i, c in enumerate(cover):
+        inter = [(max(s, cs), min(e, ce)) for (s, e), (cs, ce) in zip(box, c)]
+        if any(e <= s for s, e in inter):
             continue
-        # any other use reaches (at most) the current view's box
-        for od in range(len(bounds)):
-            bounds[od] = max(bounds[od], view.start[od] + view.length[od])
-    return True
+        rest = list(cover[:i]) + list(cover[i + 1:])
+        # the parts of box outside c: per dim, below and above c's range (earlier dims clipped to c)
+        pieces = []
+        for d, ((s, e), (cs, ce)) in enumerate(zip(box, inter)):
+            head = list(inter[:d]) + [(s, cs)] + list(box[d + 1:])
+            tail = list(inter[:d]) + [(ce, e)] + list(box[d + 1:])
+            pieces += [head, tail]
+        return all(box_covered(p, rest, budget) for p in pieces)
+    return False
 
 
 def _narrow(user: Node, view: _View) -> tuple[_View | None, tuple]:

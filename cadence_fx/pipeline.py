@@ -11,6 +11,7 @@ from torch.fx import GraphModule
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.bind_constants import bind_constants
 from cadence_fx.passes.carry_writeback import carry_writeback
+from cadence_fx.passes.envelope_state import envelope_state
 from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.inline_autocast import inline_autocast
 from cadence_fx.passes.inline_grad_regions import inline_grad_regions
@@ -27,6 +28,7 @@ PIPELINE = (
     hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
     carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
     ring_in_place,        # functional ring update (index_copy, scatter, ...) of a region -> in-place write of its buffer
+    envelope_state,       # a non-leading history kept in a workspace of its own -> kept in the region buffer
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     partition,            # one sub-GraphModule per wrapped invocation

@@ -18,7 +18,7 @@ from torch.fx import Node
 
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.contract import Contract, ContractError, HeadTail, Region, Ring
-from cadence_fx.graph_utils import view_root
+from cadence_fx.graph_utils import overload_name, view_root
 
 
 def region_extents(region: Region, growth: int, *, max_calls: int = 10_000) -> list[int]:
@@ -67,6 +67,25 @@ class RegionPlan:
     static_bytes: int | None
     demand_shape: tuple[int, ...] | None
     demand_bytes: int | None
+    # "prefix": the state is the contiguous front of the buffer; "envelope": the buffer is
+    # ``stored_shape`` and a state of extent T is ``narrow(axis, 0, T)`` of it, so the program's own
+    # workspace for the region's history can be the region buffer (``passes.envelope_state``)
+    layout: str = "prefix"
+    axis: int = 0
+
+    @property
+    def session_shape(self) -> tuple[int, ...]:
+        """The shape a session's own buffer stores (states between calls, always the contiguous prefix)."""
+        if self.layout != "envelope":
+            return self.stored_shape
+        out = list(self.stored_shape)
+        out[self.axis] = self.attended
+        return tuple(out)
+
+    @property
+    def session_bytes(self) -> int:
+        """Bytes of a session's own buffer for this region (:attr:`session_shape`)."""
+        return self.stored_bytes // max(math.prod(self.stored_shape), 1) * math.prod(self.session_shape)
 
     @property
     def over_reservation(self) -> float | None:
@@ -118,6 +137,24 @@ def _workspace_of(node: object) -> Node | None:
     return root if root is not None and root.op in ("get_attr", "placeholder") else None
 
 
+def _history_workspace(value: object, site: RegionSite, buffers: dict[str, str]) -> str | None:
+    """The module buffer the region's outgoing value is sliced from along the clock axis (the trim's
+    operands, or the value itself), when it is one buffer of the region's rank and dtype."""
+    if not isinstance(value, Node):
+        return None
+    parts = value.args[0] if overload_name(value) == "cat" else [value]
+    roots = {view_root(p) for p in parts if isinstance(p, Node)}
+    if len(roots) != 1:
+        return None
+    root = roots.pop()
+    if root is None or root.op != "placeholder" or root.name not in buffers:
+        return None
+    val = root.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != len(site.shape) or val.dtype != site.dtype:
+        return None
+    return buffers[root.name]
+
+
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize  # bool and complex too (iinfo/finfo refuse them)
 
@@ -143,9 +180,14 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
         attended = max(ext)
         envelope = attended if isinstance(r.retention, Ring) else max(e + g for e in ext)
         leading = all(s == 1 for s in site.shape[: site.axis])
-        stored = envelope if leading else attended
+        value = by_name.get(user_outs[r.output])
+        # a non-leading history the program keeps in a workspace of its own (written, then trimmed into
+        # the output): store the region in the envelope layout, so that workspace can be the region
+        layout = "envelope" if not leading and not isinstance(r.retention, Ring) \
+            and _history_workspace(value, site, buffers) is not None else "prefix"
+        stored = envelope if leading or layout == "envelope" else attended
         stored_shape = _with(site.shape, site.axis, stored, r.live)
-        src = _workspace_of(by_name.get(user_outs[r.output]))
+        src = _workspace_of(value)
         static_shape = static_bytes = demand_shape = demand_bytes = None
         static_source = None
         if src is not None and src.op == "placeholder" and src.name in buffers:
@@ -161,7 +203,7 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
             attended=attended, envelope=envelope, leading=leading, stored=stored,
             stored_shape=stored_shape, stored_bytes=_nbytes(stored_shape, site.dtype),
             static_source=static_source, static_shape=static_shape, static_bytes=static_bytes,
-            demand_shape=demand_shape, demand_bytes=demand_bytes))
+            demand_shape=demand_shape, demand_bytes=demand_bytes, layout=layout, axis=site.axis))
     notes = []
     if any(r.live for r in contract.regions):
         notes.append("live dims: the region buffer and the returned state hold only the live slots; "

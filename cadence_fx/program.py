@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Literal, Sequence
 
 import torch
@@ -97,7 +98,10 @@ class OptimizedProgram:
         self._names = list(names)
         self._region_index = {r.name: self._names.index(r.input) for r in contract.regions}
         self._backend = _pick_backend(replay)
-        self._sites = list(sites)
+        # regions in the envelope layout: every site views its buffer through the same envelope
+        env = {rp.name: rp.stored_shape for rp in plan.regions if rp.layout == "envelope"} if state else {}
+        self._sites = [{n: replace(s, envelope=env[n]) if n in env else s for n, s in by_name.items()}
+                       for by_name in sites]
         self._config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self.auditor)
         # hoisted constants and weight digests are shared by every lane; workspaces are per lane
         self._shared = CatalogTables()
@@ -285,7 +289,7 @@ class OptimizedProgram:
     def new_region_buffers(self) -> dict[str, torch.Tensor]:
         """Fresh, demand-sized region buffers (a session's own)."""
         first = self._sites[0]
-        return {rp.name: torch.zeros(numel(rp.stored_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
+        return {rp.name: torch.zeros(numel(rp.session_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
                 for rp in self.plan.regions}
 
     def owner_of(self, t: torch.Tensor) -> Any:
@@ -404,7 +408,7 @@ class OptimizedProgram:
         for i, want in enumerate(key):
             if i in regions:  # a view of the region buffer: allocate nothing
                 site = entry.sites[regions[i]]
-                flat.append(lane.state.trusted_view(regions[i], site.live_shape))
+                flat.append(lane.state.trusted_view(regions[i], site))
                 continue
             ex = example_args[i] if i < len(example_args) else None
             if want[0] == "T" and (not isinstance(ex, torch.Tensor) or (tuple(ex.shape), ex.dtype) != want[1:]):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 import pytest
@@ -160,16 +162,19 @@ def test_cli_plan_prints_catalog(capsys):
     assert "catalog: 3 signature class(es)" in out and "estimator_kv extents: [8, 12, 14]" in out
 
 
-def test_workspace_is_demand_sized_and_shared_across_classes():
+def test_solver_history_workspace_is_the_region_buffer():
+    """The demo solver writes each step's history + new frames into a workspace of its own (slots=5,
+    capacity=64), then trims it into the state: the workspace becomes the region buffer, in the
+    envelope layout (the 3 live step slots x the longest in-flight extent, 14 + 4), in every class."""
     cfg = DemoConfig()
     _model, contract, eps = _setup(cfg)
     prog = cf.optimize(eps, contract)
-    copies = {(b.untyped_storage().data_ptr(), tuple(b.shape))
-              for gm in prog.graph_modules() for name, b in gm.named_buffers()
-              if name.rpartition(".")[2].startswith(WORKSPACE_PREFIX)}
-    # stock (slots=5, capacity=64); demand: the 3 live step slots x the longest in-flight extent (14 + 4)
-    assert copies and {shape for _ptr, shape in copies} == {(cfg.steps, cfg.head + cfg.tail + cfg.chunk, 2 * cfg.dim)}
-    assert len({ptr for ptr, _shape in copies}) == 1, "each catalog class got its own copy"
+    workspaces = [name for gm in prog.graph_modules() for name, _b in gm.named_buffers()
+                  if name.rpartition(".")[2].startswith(WORKSPACE_PREFIX)]
+    assert prog.stats["passes"]["envelope_state"] == len(eps) and not workspaces, workspaces
+    rp = next(r for r in prog.plan.regions if r.name == "estimator_kv")
+    assert rp.layout == "envelope" and rp.stored_shape[rp.axis] == cfg.head + cfg.tail + cfg.chunk
+    assert prog.region_buffers["estimator_kv"].numel() == math.prod(rp.stored_shape)
 
 
 def test_no_grad_block_is_inlined_and_its_host_constant_hoisted():
@@ -238,12 +243,13 @@ def test_saved_and_loaded_catalog_shares_one_copy_of_the_weights(tmp_path):
 
 
 def test_optimize_keeps_one_workspace_copy_alive():
-    """Catalog classes grow the shared workspace copy one after another; the outgrown copies are freed."""
+    """Catalog classes grow the shared workspace copy one after another; the outgrown copies are freed.
+    (Without the state rule: with it, this workspace becomes the region buffer.)"""
     import gc
 
     cfg = DemoConfig()
-    model, contract, eps = _setup(cfg)
-    prog = cf.optimize(eps, contract)
+    _model, contract, eps = _setup(cfg)
+    prog = cf.optimize(eps, contract, state=False)
     (final,) = prog.workspaces()
     gc.collect()
     # a tensor with the copy's layout but fewer frames, still holding bytes, is an outgrown copy kept alive
@@ -252,14 +258,12 @@ def test_optimize_keeps_one_workspace_copy_alive():
                 and t.untyped_storage().nbytes() > 0
                 and t.untyped_storage().data_ptr() != final.untyped_storage().data_ptr()]
     assert final.shape[1] == cfg.head + cfg.tail + cfg.chunk and not outgrown
-    refs, opts, _ = run_streams(eps, prog, _inputs(cfg), list(model.initial_state()), REGION_OUT, 6)
-    _same(refs, opts, cfg)
 
 
 def test_warmup_snapshots_no_region_or_workspace_per_capture(monkeypatch):
     """Warm-up keeps one host copy of the regions and workspaces for the whole warm-up; the captures
-    inside it (the solver's writes into the workspace) do not snapshot them again, and the stream
-    after warm-up is still bit-exact."""
+    inside it (the solver's writes into its history, which is the region buffer) do not snapshot them
+    again, and the stream after warm-up is still bit-exact."""
     from cadence_fx.replay import FakeBackend
 
     cfg = DemoConfig()
@@ -269,7 +273,7 @@ def test_warmup_snapshots_no_region_or_workspace_per_capture(monkeypatch):
     prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
     owned = prog.owned_storages()
     reports = [r for eng in prog.runners().values() for r in eng.classes.values()]
-    assert prog.counters()["captures"] > 0 and prog.workspaces() and reports
+    assert prog.counters()["captures"] > 0 and reports
     assert not [r.snapshotted & owned for r in reports if r.snapshotted & owned], \
         "a capture inside warm-up snapshotted a region or workspace"
     refs, opts, _ = run_streams(eps, prog, _inputs(cfg), state0, REGION_OUT, 6)

@@ -69,7 +69,7 @@ def test_two_sessions_interleaved_are_each_their_own_solo_run(setup):
         assert sha256([t for o in ref for t in o]) == sha256([t for o in got[seed] for t in o]), f"session {seed}"
     c = prog.counters()
     assert c["eager"] == 0 and c["replays"] == 2 * 2 * 6  # every call replayed, on one lane or the other
-    assert a.nbytes() == b.nbytes() == sum(rp.stored_bytes for rp in prog.plan.regions)
+    assert a.nbytes() == b.nbytes() == sum(rp.session_bytes for rp in prog.plan.regions)
 
 
 def test_state_of_another_session_is_copied_and_an_older_view_refused(setup):

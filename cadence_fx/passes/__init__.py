@@ -70,6 +70,9 @@ class RegionState:
     buffer_attr: str  # attribute name of the contract-owned flat buffer on the GraphModule
     placeholder: Node
     carry: Node | None = None  # view of the buffer holding history + new positions (in-place append)
+    # envelope layout: the buffer viewed as the envelope shape (passes.envelope_state); a state of
+    # extent T is its narrow(axis, 0, T)
+    envelope: Node | None = None
 
 
 @dataclass

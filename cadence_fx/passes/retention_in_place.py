@@ -74,6 +74,8 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 in_place = written_in_place(p.src) is state.placeholder and site.out_shape == site.shape \
                     and not site.live
                 in_place |= p.base is state.carry and state.carry is not None and p.src_offset == p.dst_offset
+                origin = _envelope_offset(p.base, state, site.axis)
+                in_place |= origin is not None and p.src_offset is not None and origin + p.src_offset == p.dst_offset
                 if in_place:
                     continue
                 if _shift_in_place(p, site, state):  # moved within the buffer in Phase 2, chunk by chunk
@@ -96,12 +98,16 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
         for name, site, state, staged, expected in plans:
             buf = graph.get_attr(state.buffer_attr)
             out_shape = site.live_out_shape
-            dst = flat_view(graph, buf, 0, out_shape)
+            if state.envelope is not None:  # the state is the envelope's front on the clock axis
+                dst = graph.call_function(aten.narrow.default, (state.envelope, site.axis, 0, out_shape[site.axis]))
+            else:
+                dst = flat_view(graph, buf, 0, out_shape)
             inner = numel(out_shape[site.axis + 1:])
             leading = all(s == 1 for s in out_shape[: site.axis])
             for p, src in staged:
                 if src is None:
-                    copies += _shift(graph, buf, p, inner)
+                    copies += _shift(graph, buf, p, inner) if state.envelope is None else \
+                        _shift_along(graph, state.envelope, p, site.axis, _envelope_offset(p.base, state, site.axis))
                     continue
                 if len(staged) == 1 and _compute_into(graph, src, state, site, writers):
                     written_direct += 1
@@ -139,7 +145,8 @@ def _compute_into(graph, src: Node, state, site: RegionSite, writers: dict[Node,
     op = src.target
     if src.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or torch.Tag.pointwise not in op.tags:
         return False
-    if site.live or tuple(site.out_shape) != tuple(site.shape) or state.placeholder in writers:
+    if site.live or site.envelope is not None or tuple(site.out_shape) != tuple(site.shape) \
+            or state.placeholder in writers:
         return False
     # returned elsewhere too, or a view of it (a plain output besides the state): that output must stay a
     # fresh tensor, not a view of the buffer the next call overwrites
@@ -200,7 +207,12 @@ _MAX_SHIFT_COPIES = 16
 
 def _shift_in_place(p: _Part, site: RegionSite, state) -> bool:
     """Whether part ``p`` is a slice of the region's own in-place carry moved toward the buffer front
-    along an outermost clock axis (flat offsets are positions x inner size) in few enough copies."""
+    along an outermost clock axis (flat offsets are positions x inner size), or a slice of the envelope
+    moved toward its front along the clock axis, in few enough copies."""
+    origin = _envelope_offset(p.base, state, site.axis)
+    if origin is not None and p.src_offset is not None:
+        shift = origin + p.src_offset - p.dst_offset
+        return shift > 0 and -(-p.length // shift) <= _MAX_SHIFT_COPIES
     if state.carry is None or p.base is not state.carry or site.live or p.src_offset is None:
         return False
     shift = p.src_offset - p.dst_offset
@@ -218,6 +230,39 @@ def _shift(graph, buf: Node, p: _Part, inner: int) -> int:
                                                       (p.dst_offset + k + c) * inner))
         src = graph.call_function(aten.slice.Tensor, (buf, 0, (p.src_offset + k) * inner,
                                                       (p.src_offset + k + c) * inner))
+        graph.call_function(aten.copy_.default, (dst, src))
+        n += 1
+    return n
+
+
+def _envelope_offset(node: object, state, axis: int) -> int | None:
+    """Where ``node`` starts on the clock axis of the region's envelope view, when it is that view or a
+    slice of it along the axis (what the envelope_state pass leaves the history as); else None."""
+    if state.envelope is None or not isinstance(node, Node):
+        return None
+    if node is state.envelope:
+        return 0
+    if overload_name(node) == "narrow" and node.args[0] is state.envelope and not node.kwargs:
+        dim, start = node.args[1], node.args[2]
+        return start if dim == axis and isinstance(start, int) and start >= 0 else None
+    if overload_name(node) == "slice" and node.args[0] is state.envelope and not node.kwargs:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        start = node.args[2] if len(node.args) > 2 else 0
+        step = node.args[4] if len(node.args) > 4 else 1
+        if dim == axis and step == 1 and isinstance(start, int) and start >= 0:
+            return start
+    return None
+
+
+def _shift_along(graph, envelope: Node, p: _Part, axis: int, origin: int) -> int:
+    """The chunked move of part ``p`` toward the envelope's front along the clock axis (see ``_shift``)."""
+    src0 = origin + p.src_offset
+    shift = src0 - p.dst_offset
+    n = 0
+    for k in range(0, p.length, shift):
+        c = min(shift, p.length - k)
+        dst = graph.call_function(aten.slice.Tensor, (envelope, axis, p.dst_offset + k, p.dst_offset + k + c))
+        src = graph.call_function(aten.slice.Tensor, (envelope, axis, src0 + k, src0 + k + c))
         graph.call_function(aten.copy_.default, (dst, src))
         n += 1
     return n

@@ -14,7 +14,8 @@ import torch
 from torch.fx import GraphModule
 
 from cadence_fx.annotations import OWNED_PREFIX, WORKSPACE_PREFIX
-from cadence_fx.graph_utils import reach, register_tensor
+from cadence_fx.graph_utils import (access_boxes, is_guard, leaf_consumers, overload_name, reach, register_tensor,
+                                    stride_independent)
 from cadence_fx.passes import PassContext, SharedWorkspace
 
 
@@ -37,6 +38,11 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
         bounds, rewrites = found
         if all(b >= s for b, s in zip(bounds, shape)):
             continue
+        reader = _layout_bound_reader(uses, shape)
+        if reader is not None:  # the smaller copy's strides differ: only layout-independent reads are exact
+            ctx.program.left_stock.append(f"workspace {node.target!r} kept at its stock size: {reader} reads it "
+                                          "by more than moving or mapping elements")
+            continue
         for n, args in rewrites:
             n.args = args
         attr = _shared_copy(gm, ctx.tables.workspaces, tensor, bounds)
@@ -51,6 +57,18 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
     graph.lint()
     ctx.record("shrink_workspace", shrunk)
     return gm
+
+
+def _layout_bound_reader(uses: list, shape: tuple[int, ...]) -> str | None:
+    """The first use of the workspace whose result may depend on its strides (None: there is none)."""
+    for u in uses:
+        for user, view, _box in access_boxes(u, shape) or [(u, u, None)]:
+            if overload_name(user) == "copy_" and user.args[0] is view:
+                continue  # written
+            for c in leaf_consumers(user):
+                if c.op != "output" and not is_guard(c) and not stride_independent(c, view):
+                    return f"{c.name} ({overload_name(c) or c.op})"
+    return None
 
 
 def _shared_copy(gm: GraphModule, table: dict[tuple, SharedWorkspace], stock: torch.Tensor, bounds: list[int]) -> str:

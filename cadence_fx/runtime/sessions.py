@@ -106,7 +106,7 @@ class Session:
             state_outs = set()
             for name, site in entry.sites.items():
                 j = site.region.output
-                outs[j] = copy_into(self._buffers[name], name, outs[j], site)
+                outs[j] = copy_into(self._buffers[name], name, outs[j], site, layout=False)
                 self._returned[name] = outs[j]
                 state_outs.add(j)
             # an output that views what the lane writes (a workspace) would change under the next
@@ -159,7 +159,7 @@ class Session:
             self._check_open()
             sites = self.program.region_sites()
             for name, t in snapshot.state.items():
-                self._returned[name] = copy_into(self._buffers[name], name, t, sites[name])
+                self._returned[name] = copy_into(self._buffers[name], name, t, sites[name], layout=False)
             if snapshot.rng is not None:
                 self.rng.states = snapshot.rng.clone()
             return dict(self._returned)

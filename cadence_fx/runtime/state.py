@@ -10,7 +10,6 @@ refused, since its bytes have been overwritten since it was returned.
 
 from __future__ import annotations
 
-import math
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,9 +93,9 @@ class StateStore:
         self.counts.adopted += 1
         return copy_into(buf, name, arg, site)
 
-    def trusted_view(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A view of the buffer as a state input of ``shape``, accepted in place (warm-up's inputs)."""
-        view = self._buffers[name][: math.prod(shape)].view(shape)
+    def trusted_view(self, name: str, site: RegionSite) -> torch.Tensor:
+        """A view of the buffer as the state input of ``site``, accepted in place (warm-up's inputs)."""
+        view = site.state_view(self._buffers[name], site.live_shape)
         self._returned[name] = view
         return view
 
@@ -141,15 +140,16 @@ class StateStore:
             self._returned = returned
 
 
-def copy_into(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite) -> torch.Tensor:
-    """Copy a state input into the front of a region's flat buffer; returns the view the graph reads."""
+def copy_into(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite, *,
+              layout: bool = True) -> torch.Tensor:
+    """Copy a state input into a region's flat buffer; returns the view the graph reads.
+
+    ``layout=False`` for a session's own buffers: the contiguous prefix, whatever the region's layout
+    in the lanes' buffers (:meth:`RegionSite.state_view`)."""
     for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
         if arg.shape[d] > n:
             arg = arg.narrow(d, 0, n)
-    if arg.numel() > buf.numel():
-        raise ValueError(f"region {name!r}: input of shape {tuple(arg.shape)} exceeds the contract-owned "
-                         f"buffer ({buf.numel()} elements)")
-    view = buf[: arg.numel()].view(arg.shape)
+    view = site.state_view(buf, arg.shape, layout=layout)
     # state is data, never part of an autograd graph: a state produced by ep.module() in grad
     # mode must not make the buffer require grad (every later view would then refuse in-place use)
     with torch.no_grad():
