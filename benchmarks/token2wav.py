@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
+from cadence_fx.runtime.state import state_to  # noqa: E402
 
 STOCK_CELLS = ("B0", "B0h", "B0n", "vendor", "vendor_live", "compile")
 # the float16 path (``Token2wav(float16=True)``: the flow in half under autocast): its cells end in "h"
@@ -226,7 +227,9 @@ def _stream(fn, step, state0: dict, fresh, seed: int, restore: bool, device: str
         st = step.carry(out)
         del out, args
         if restore and k == RESTORE_SNAPSHOT:
-            snapshot = {n: t.to("cpu", copy=True) for n, t in st.items()}
+            # an optimized program's state may be a strided view of its buffer (the envelope layout):
+            # state_to copies it out without a full-size staging copy on the GPU
+            snapshot = {n: state_to(t, "cpu") if n in on_host else t.to("cpu", copy=True) for n, t in st.items()}
             host_snapshot = step.host_snapshot() if host else None
     prof = None
     if profile:  # one extra call after the timed stream, so profiling never distorts a timing

@@ -17,7 +17,7 @@ from cadence_fx.program import OptimizedProgram, optimize
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
 from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot
-from cadence_fx.runtime.state import StaleState
+from cadence_fx.runtime.state import StaleState, state_to
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -25,6 +25,6 @@ __all__ = [
     "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail",
     "OptimizedProgram", "Plan", "Region",
     "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
-    "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save",
+    "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save", "state_to",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ classes to capture; nothing else can reach the step under the contract.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -18,7 +19,7 @@ from torch.fx import Node
 
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.contract import Contract, ContractError, HeadTail, Region, Ring
-from cadence_fx.graph_utils import overload_name, view_root
+from cadence_fx.graph_utils import fetch_attr, flat_outputs, overload_name, view_root
 
 
 def region_extents(region: Region, growth: int, *, max_calls: int = 10_000) -> list[int]:
@@ -139,11 +140,12 @@ def _workspace_of(node: object) -> Node | None:
 
 def _history_workspace(value: object, site: RegionSite, buffers: dict[str, str]) -> str | None:
     """The module buffer the region's outgoing value is sliced from along the clock axis (the trim's
-    operands, or the value itself), when it is one buffer of the region's rank and dtype."""
+    operands, or the value itself), when it is one buffer of the region's rank and dtype. Views made
+    inside an autocast or grad-mode block (a higher-order op the pipeline inlines) are followed in."""
     if not isinstance(value, Node):
         return None
     parts = value.args[0] if overload_name(value) == "cat" else [value]
-    roots = {view_root(p) for p in parts if isinstance(p, Node)}
+    roots = {_view_root_through_blocks(p) for p in parts if isinstance(p, Node)}
     if len(roots) != 1:
         return None
     root = roots.pop()
@@ -153,6 +155,29 @@ def _history_workspace(value: object, site: RegionSite, buffers: dict[str, str])
     if not isinstance(val, torch.Tensor) or val.dim() != len(site.shape) or val.dtype != site.dtype:
         return None
     return buffers[root.name]
+
+
+def _view_root_through_blocks(node: Node) -> Node | None:
+    """``view_root``, continued through an output of a higher-order block (``wrap_with_autocast``,
+    ``wrap_with_set_grad_enabled``) that is a view of one of the block's operands."""
+    root = view_root(node)
+    while root is not None and root.op == "call_function" and root.target is operator.getitem \
+            and isinstance(root.args[0], Node) and isinstance(root.args[1], int):
+        call = root.args[0]
+        k = next((i for i, a in enumerate(call.args) if isinstance(a, Node) and a.op == "get_attr"), None)
+        sub = fetch_attr(call.graph.owning_module, str(call.args[k].target)) if k is not None else None
+        if not isinstance(sub, torch.fx.GraphModule):
+            return root
+        outs = flat_outputs(sub.graph)
+        inner = view_root(outs[root.args[1]]) if root.args[1] < len(outs) else None
+        phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if inner is None or inner not in phs:
+            return root
+        operand = call.args[k + 1 + phs.index(inner)] if k + 1 + phs.index(inner) < len(call.args) else None
+        if not isinstance(operand, Node):
+            return root
+        root = view_root(operand)
+    return root
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -282,6 +282,10 @@ def test_token2wav_loads_without_the_upstream_code(token2wav, tmp_path):
         sys.meta_path.insert(0, Block())
         import torch, cadence_fx as cf
         from cadence_fx.determinism import sha256_tensors
+        # the kernel settings the artifact was saved under (tests earlier in the saving process may
+        # have pinned the envelope): load refuses any other, as it should
+        torch.backends.cudnn.deterministic = {torch.backends.cudnn.deterministic!r}
+        torch.backends.cuda.enable_cudnn_sdp({torch.backends.cuda.cudnn_sdp_enabled()!r})
         prog = cf.load({str(path)!r}, replay="off")
         args = torch.load({str(tmp_path / 'args.pt')!r}, weights_only=True)
         torch.manual_seed(3)

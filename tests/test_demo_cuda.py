@@ -51,3 +51,35 @@ def test_replayed_stream_is_bit_exact(wrap, state):
     if state:
         assert all(p == ptrs[1] for p in ptrs[1:])
         assert c["eager"] == 0, c  # every wrapped call of every class replays
+
+
+def test_host_state_into_the_envelope_stages_in_small_slices():
+    """A state in the envelope layout is a strided view of its buffer: copied in from the host (a
+    prompt's state, a restored snapshot) or out (``cf.state_to``), PyTorch would stage it through a
+    contiguous device temporary as large as the state; the runtime copies in slices instead."""
+    from cadence_fx.runtime.state import copy_into
+
+    cfg = DemoConfig(dim=256, chunk=8, prompt=4096, head=4096, tail=64, steps=4, slots=6, capacity=4096 + 128)
+    torch.manual_seed(0)
+    model = StreamingDecoder(cfg).eval().cuda()
+    contract = demo_contract(cfg, wrap=("encoder", "solver"))
+    eps = export_catalog(model, contract, device="cuda")
+    prog = cf.optimize(eps, contract, replay="off")
+    site = prog.region_sites()["estimator_kv"]
+    assert site.envelope is not None
+    host = model.initial_state()[1][: site.live_shape[0]].contiguous()  # the solver history, on the host
+    nbytes = host.numel() * host.element_size()
+    assert nbytes > 32 << 20, nbytes
+    buf = prog.region_buffers["estimator_kv"]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    view = copy_into(buf, "estimator_kv", host, site)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base <= (32 << 20) + (1 << 20)
+    assert not view.is_contiguous() and torch.equal(view.cpu(), host)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    back = cf.state_to(view, "cpu")
+    assert torch.cuda.max_memory_allocated() - base <= (32 << 20) + (1 << 20)
+    assert back.is_contiguous() and torch.equal(back, host)

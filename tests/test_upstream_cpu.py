@@ -234,6 +234,9 @@ def test_full_step_0_1_2(cfg):
             ["flow.encoder"] + ["flow.decoder"] * cfg.n_timesteps + ["vocoder", "vocoder"]), names
     assert all(torch.equal(a, b) for x, y in zip(ref[:4], plain[:4]) for a, b in zip(x, y))
     assert prog.stats["state_adopted"] == 2 * len(contract.regions)  # first call and the restore only
+    # the solver's history lives in the region buffer (envelope layout), not in a workspace of its own
+    assert prog.stats["passes"]["envelope_state"] == len(eps)
+    assert next(r for r in prog.plan.regions if r.name == "estimator_att").layout == "envelope"
     # the solver's per-step conv cache buffer is written before it is read every call: scratch, not state
     # (sessions are allowed); nothing else of the modules is written
     assert prog.undeclared_state() == {}
@@ -422,6 +425,8 @@ def test_full_step_0_1_2_float16():
     stock = run_stream(step.driver_call, step, state, fresh)
     prog, ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, replay="off", seed=7)
     assert prog.stats["passes"]["inline_autocast"] == len(eps)
+    # the solver's history workspace, written inside the autocast block, is the region buffer there too
+    assert prog.stats["passes"]["envelope_state"] == len(eps)
     assert sha256_tensors([t for c in stock for t in c]) == sha256_tensors([t for c in ref for t in c])
     with pytest.raises(ValueError, match="half"):
         Token2WavStep(build_flow(up, cfg), None, cfg, float16=True)

@@ -22,7 +22,7 @@ import torch
 from cadence_fx.binding import RegionSite
 from cadence_fx.runtime.lanes import Entry, Lane, LanePool
 from cadence_fx.runtime.rng import RngStates, SessionRng, session_rng
-from cadence_fx.runtime.state import StaleState, copy_into, stale_message
+from cadence_fx.runtime.state import StaleState, copy_into, stale_message, state_to
 
 class SessionHost(Protocol):
     """What a session needs from the program that hands it out (the façade implements it)."""
@@ -150,7 +150,7 @@ class Session:
         """The session's current state (clones, on ``device`` or where it lives) and random streams."""
         with self._lock:
             self._check_open()
-            state = {n: t.to(device, copy=True) if device is not None else t.clone() for n, t in self._returned.items()}
+            state = {n: state_to(t, device) if device is not None else t.clone() for n, t in self._returned.items()}
             return Snapshot(state, self.rng.states.clone())
 
     def restore(self, snapshot: Snapshot) -> dict[str, torch.Tensor]:

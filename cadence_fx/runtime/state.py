@@ -19,7 +19,11 @@ import torch
 
 from cadence_fx.binding import RegionSite
 
-__all__ = ["StaleState", "StateCounts", "StateStore", "copy_into", "stale_message"]
+__all__ = ["StaleState", "StateCounts", "StateStore", "copy_into", "copy_state", "stale_message", "state_to"]
+
+# A copy between devices into or out of a non-contiguous view stages the whole view through a
+# contiguous temporary on the device; slices of at most this many bytes keep that temporary small.
+_COPY_SLICE_BYTES = 32 << 20
 
 
 class StaleState(RuntimeError):
@@ -153,8 +157,29 @@ def copy_into(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite,
     # state is data, never part of an autograd graph: a state produced by ep.module() in grad
     # mode must not make the buffer require grad (every later view would then refuse in-place use)
     with torch.no_grad():
-        view.copy_(arg.detach())
+        copy_state(view, arg.detach())
     return view
+
+
+def copy_state(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same shape). Between devices, where either side is not contiguous (a state in
+    the envelope layout), in slices of the leading dims: PyTorch stages such a copy through a
+    contiguous temporary of the whole tensor on the device, as large as the state itself."""
+    if dst.device == src.device or (dst.is_contiguous() and src.is_contiguous()) or dst.dim() == 0 \
+            or dst.numel() * dst.element_size() <= _COPY_SLICE_BYTES or tuple(dst.shape) != tuple(src.shape):
+        dst.copy_(src)
+        return
+    for i in range(dst.shape[0]):
+        copy_state(dst[i], src[i])
+
+
+def state_to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of state tensor ``t`` on ``device`` (a snapshot to the host), contiguous, without the
+    full-size temporary a plain ``t.to(device)`` makes on the GPU when ``t`` is a strided view."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    with torch.no_grad():
+        copy_state(out, t)
+    return out
 
 
 def _storage_bytes(tensors: Any) -> int:
