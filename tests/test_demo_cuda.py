@@ -59,7 +59,7 @@ def test_host_state_into_the_envelope_stages_in_small_slices():
     contiguous device temporary as large as the state; the runtime copies in slices instead."""
     from cadence_fx.runtime.state import copy_into
 
-    cfg = DemoConfig(dim=256, chunk=8, prompt=4096, head=4096, tail=64, steps=4, slots=6, capacity=4096 + 128)
+    cfg = DemoConfig(dim=512, chunk=8, prompt=4096, head=4096, tail=64, steps=4, slots=6, capacity=4096 + 128)
     torch.manual_seed(0)
     model = StreamingDecoder(cfg).eval().cuda()
     contract = demo_contract(cfg, wrap=("encoder", "solver"))
