@@ -404,6 +404,9 @@ class OptimizedProgram:
     def _warmup_args(self, lane: Lane, key: tuple, entry: Entry, example_args: Sequence[Any]) -> list[Any]:
         regions = {self._region_index[name]: name for name in entry.sites} if self.state_rule else {}
         device = next((t.device for t in lane.state.region_buffers.values()), None)
+        # an input with no example is made where the exported program expects it (without the state
+        # rule there are no region buffers to go by, and a state made on the host would be captured)
+        recorded = [n.meta.get("val") for n in entry.gm.graph.nodes if n.op == "placeholder"]
         flat = []
         for i, want in enumerate(key):
             if i in regions:  # a view of the region buffer: allocate nothing
@@ -412,7 +415,9 @@ class OptimizedProgram:
                 continue
             ex = example_args[i] if i < len(example_args) else None
             if want[0] == "T" and (not isinstance(ex, torch.Tensor) or (tuple(ex.shape), ex.dtype) != want[1:]):
-                dev = ex.device if isinstance(ex, torch.Tensor) else device or "cpu"
+                val = recorded[i] if i < len(recorded) else None
+                dev = ex.device if isinstance(ex, torch.Tensor) else \
+                    val.device if isinstance(val, torch.Tensor) else device or "cpu"
                 ex = torch.zeros(want[1], dtype=want[2], device=dev)
             elif want[0] == "S" and len(want) == 3:
                 ex = want[2]

@@ -83,3 +83,25 @@ def test_host_state_into_the_envelope_stages_in_small_slices():
     back = cf.state_to(view, "cpu")
     assert torch.cuda.max_memory_allocated() - base <= (32 << 20) + (1 << 20)
     assert back.is_contiguous() and torch.equal(back, host)
+
+
+def test_warmup_without_the_state_rule_makes_missing_inputs_on_the_device():
+    """Warm-up given only the per-call inputs: without the state rule there are no region buffers to
+    take a device from, so the missing state inputs are made where the exported program expects them
+    (before, on the host: the captures then saw host tensors and a later call fell back to eager
+    with host and device tensors mixed, as the Moshi R cell did at released size)."""
+    pin_envelope()
+    cfg = DemoConfig(dim=64, chunk=8, prompt=24, head=24, tail=16, steps=4, slots=6, capacity=128)
+    torch.manual_seed(0)
+    model = StreamingDecoder(cfg).eval().cuda()
+    contract = demo_contract(cfg, wrap=("encoder", "solver"))
+    eps = export_catalog(model, contract, device="cuda")
+    prog = cf.optimize(eps, contract, state=False)
+    z = torch.zeros(1, cfg.chunk, cfg.dim, device="cuda")
+    prog.warmup(z)
+    assert prog.counters()["captures"] > 0
+    state = list(model.initial_state(device="cuda"))
+    out = prog(z, *state, z)
+    assert all(t.is_cuda for t in out)
+    c = prog.counters()
+    assert c["replays"] > 0 and c["eager"] == 0, c
