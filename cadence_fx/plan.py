@@ -113,7 +113,9 @@ class Plan:
         lines += [hdr, "-" * len(hdr)]
         for r in self.regions:
             lines.append(f"{r.name:<22}{(r.order or 'in place'):<9}{r.retention:<30}{r.attended:>9}{r.envelope:>9}"
-                         f"{r.stored:>8}{r.stored_bytes / 2**20:>9.2f}")
+                         f"{r.stored:>8}{r.stored_bytes / 2**20:>9.2f}"
+                         + ("  (envelope layout: the history workspace can be the region buffer)"
+                            if r.layout == "envelope" else ""))
         lines += ["", "static envelope the program allocates vs. contract demand:"]
         for r in self.regions:
             if r.static_shape is None:
@@ -138,7 +140,7 @@ def _workspace_of(node: object) -> Node | None:
     return root if root is not None and root.op in ("get_attr", "placeholder") else None
 
 
-def _history_workspace(value: object, site: RegionSite, buffers: dict[str, str]) -> str | None:
+def _history_workspace(value: object, site: RegionSite, buffers: dict[str, str]) -> Node | None:
     """The module buffer the region's outgoing value is sliced from along the clock axis (the trim's
     operands, or the value itself), when it is one buffer of the region's rank and dtype. Views made
     inside an autocast or grad-mode block (a higher-order op the pipeline inlines) are followed in."""
@@ -154,7 +156,7 @@ def _history_workspace(value: object, site: RegionSite, buffers: dict[str, str])
     val = root.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != len(site.shape) or val.dtype != site.dtype:
         return None
-    return buffers[root.name]
+    return root
 
 
 def _view_root_through_blocks(node: Node) -> Node | None:
@@ -208,11 +210,12 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
         value = by_name.get(user_outs[r.output])
         # a non-leading history the program keeps in a workspace of its own (written, then trimmed into
         # the output): store the region in the envelope layout, so that workspace can be the region
-        layout = "envelope" if not leading and not isinstance(r.retention, Ring) \
-            and _history_workspace(value, site, buffers) is not None else "prefix"
+        history = _history_workspace(value, site, buffers) if not leading and not isinstance(r.retention, Ring) \
+            else None
+        layout = "envelope" if history is not None else "prefix"
         stored = envelope if leading or layout == "envelope" else attended
         stored_shape = _with(site.shape, site.axis, stored, r.live)
-        src = _workspace_of(value)
+        src = _workspace_of(value) if history is None else history
         static_shape = static_bytes = demand_shape = demand_bytes = None
         static_source = None
         if src is not None and src.op == "placeholder" and src.name in buffers:

@@ -363,6 +363,9 @@ def test_plan_released_dimensions():
     assert est.over_reservation == pytest.approx(16 * 1000 / (10 * 452))
     assert list(est.extents) == [302, 352, 402]
     assert "3.54x over-reserved" in text
+    # stored in the envelope layout: the region buffer is that demand, and the workspace goes
+    assert est.layout == "envelope" and est.stored_shape == est.demand_shape
+    assert est.session_shape == (10, 16, 2, 8, 402, 128)  # a session stores the attended history only
 
 
 # --------------------------------------------------------------------------- (e) the example script
