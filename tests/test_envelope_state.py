@@ -211,3 +211,19 @@ def test_a_state_that_does_not_fit_the_envelope_is_refused(bad):
         shape[1] += 1
     with pytest.raises(ValueError, match="envelope"):
         site.state_view(prog.region_buffers["hist"], shape)
+
+
+def test_box_cover_is_exact_and_bounded():
+    """The coverage check behind "every read sees only this call's writes": tiles cover, a gap does not,
+    and a cover too fragmented to check answers False (the workspace is then kept)."""
+    from cadence_fx.graph_utils import box_covered
+
+    box = [(0, 10), (0, 4)]
+    rows = [[(i, i + 1), (0, 4)] for i in range(10)]
+    assert box_covered(box, rows)
+    assert not box_covered(box, rows[:4] + rows[5:])                  # row 4 never written
+    assert box_covered(box, [[(0, 10), (0, 2)], [(0, 5), (2, 4)], [(5, 10), (1, 4)]])
+    assert not box_covered(box, [[(0, 10), (0, 2)], [(0, 5), (2, 4)], [(5, 10), (3, 4)]])
+    assert box_covered([(3, 3), (0, 4)], [])                          # an empty read needs nothing
+    cells = [[(i, i + 1), (j, j + 1), (k, k + 1)] for i in range(12) for j in range(12) for k in range(12)]
+    assert not box_covered([(0, 12), (0, 12), (0, 12)], list(reversed(cells)))  # past the budget: refused
