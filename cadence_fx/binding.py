@@ -7,8 +7,8 @@ plan and the passes see the same, already validated, view of the program.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import operator
-
 import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -194,10 +193,6 @@ def access_boxes(root: Node, shape: Sequence[int], rewrites: list[tuple[Node, tu
     return out if ok else None
 
 
-# Consumers whose result does not depend on the strides of what they read: they only move elements.
-_ELEMENT_MOVES = {"cat", "stack", "clone", "contiguous", "_to_copy", "copy"}
-
-
 def is_guard(node: Node) -> bool:
     """The unlifted module's input-shape guard: it reads shapes, never elements."""
     return node.op == "call_module" and str(node.target).startswith("_guards")
@@ -241,7 +236,7 @@ def stride_independent(consumer: Node, view: Node) -> bool:
     if name == "_to_copy":
         val = consumer.meta.get("val")
         return isinstance(val, torch.Tensor) and val.dtype == view.meta.get("val", val).dtype
-    return name in _ELEMENT_MOVES
+    return name in _MOVES
 
 
 def box_covered(box: Sequence[tuple[int, int]], cover: Sequence[Sequence[tuple[int, int]]],

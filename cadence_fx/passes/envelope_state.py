@@ -16,8 +16,9 @@ Proved per program, else the workspace is kept and the reason reported (``left_s
   in the same call (so its bytes between calls, now the region's state, are never read);
 - every read of the region input that overlaps a workspace write runs before that write;
 - nothing but the region's own output returns a view of the workspace or the input;
-- reads of both only move data (cat, copy, clone): the envelope's strides differ from a contiguous
-  state's and from the stock workspace's, and only data movement is proved stride-independent.
+- reads of both only move elements (cat, copy, clone, ...) or map them one by one (pointwise ops):
+  the envelope's strides differ from a contiguous state's and from the stock workspace's, and only
+  those are proved stride-independent (``graph_utils.stride_independent``).
 
 Any region in the envelope layout whose input is read by anything else gets a contiguous copy of the
 input for those readers (exact, at the cost of one copy of the state; reported).
@@ -25,16 +26,16 @@ input for those readers (exact, at the cost of one copy of the state; reported).
 
 from __future__ import annotations
 
-
 import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import is_state_attr
 from cadence_fx.binding import RegionSite
 from cadence_fx.graph_utils import (access_boxes, aten, box_covered, fetch_attr, flat_outputs, flat_view, is_guard,
-                                    element_readers, stride_independent, is_mutating, is_view, is_view_op, leaf_consumers,
-                                    output_node, overload_name, reach, view_root)
+                                    is_mutating, is_view, is_view_op, leaf_consumers, output_node, overload_name, reach,
+                                    stride_independent, view_root)
 from cadence_fx.passes import PassContext, RegionState
+
 
 def envelope_state(gm: GraphModule, ctx: PassContext) -> GraphModule:
     """Bind every envelope-layout region's view; merge the workspace its history lives in, when proved."""
@@ -139,8 +140,9 @@ def _merge(gm: GraphModule, site: RegionSite, state: RegionState, value: object)
                 return f"the region input ({view.name}) is read after a workspace write overwrites it"
     # no other output is a view of the workspace or of the input
     roots_of = set(uses) | {state.placeholder}
-    for i, v in enumerate(flat_outputs(graph)):
-        if i != site.region.output % len(flat_outputs(graph)) and isinstance(v, Node) and view_root(v) in roots_of:
+    outs = flat_outputs(graph)
+    for i, v in enumerate(outs):
+        if i != site.region.output % len(outs) and isinstance(v, Node) and view_root(v) in roots_of:
             return f"output {i} is a view of the workspace or the region input"
     # proved: indices count from the envelope's ends now, so make them non-negative first
     bounded = reach(uses, tuple(tensor.shape))
@@ -160,9 +162,8 @@ def _merge(gm: GraphModule, site: RegionSite, state: RegionState, value: object)
 
 def _moves_only(user: Node, placeholder: Node) -> bool:
     """Whether ``user`` of the region input only moves its elements (through views)."""
-    if is_view_op(user):
-        return all(stride_independent(c, user) for c in element_readers(user))
-    return stride_independent(user, placeholder)
+    view = user if is_view_op(user) else placeholder
+    return all(stride_independent(c, view) for c in leaf_consumers(user))
 
 
 def _refresh_values(graph, envelope: Node, site: RegionSite, buf: torch.Tensor) -> None:
@@ -173,13 +174,8 @@ def _refresh_values(graph, envelope: Node, site: RegionSite, buf: torch.Tensor) 
     mode = getattr(proto, "fake_mode", None)
     if mode is None:
         return
-    stride = []
-    acc = 1
-    for s in reversed(site.envelope):
-        stride.insert(0, acc)
-        acc *= s
     with mode:
-        envelope.meta["val"] = torch.empty_strided(site.envelope, stride, dtype=buf.dtype, device=buf.device)
+        envelope.meta["val"] = torch.empty(site.envelope, dtype=buf.dtype, device=buf.device)
     stack = list(envelope.users)
     seen = set()
     while stack:

@@ -106,8 +106,13 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             leading = all(s == 1 for s in out_shape[: site.axis])
             for p, src in staged:
                 if src is None:
-                    copies += _shift(graph, buf, p, inner) if state.envelope is None else \
-                        _shift_along(graph, state.envelope, p, site.axis, _envelope_offset(p.base, state, site.axis))
+                    if state.envelope is None:  # the flat buffer: positions x inner size
+                        copies += _shift(graph, buf, 0, p.src_offset * inner, p.dst_offset * inner, p.length * inner,
+                                         shift=(p.src_offset - p.dst_offset) * inner)
+                    else:  # the envelope, along the clock axis
+                        src0 = _envelope_offset(p.base, state, site.axis) + p.src_offset
+                        copies += _shift(graph, state.envelope, site.axis, src0, p.dst_offset, p.length,
+                                         shift=src0 - p.dst_offset)
                     continue
                 if len(staged) == 1 and _compute_into(graph, src, state, site, writers):
                     written_direct += 1
@@ -220,17 +225,15 @@ def _shift_in_place(p: _Part, site: RegionSite, state) -> bool:
     return leading and shift > 0 and -(-p.length // shift) <= _MAX_SHIFT_COPIES
 
 
-def _shift(graph, buf: Node, p: _Part, inner: int) -> int:
-    """Emit the chunked move of part ``p`` from ``src_offset`` to ``dst_offset`` of the flat buffer."""
-    shift = p.src_offset - p.dst_offset
+def _shift(graph, base: Node, dim: int, src: int, dst: int, length: int, *, shift: int) -> int:
+    """Emit the chunked move of ``length`` positions of ``base`` along ``dim`` from ``src`` to ``dst``
+    (``dst < src``), in copies of at most ``shift`` positions, front first."""
     n = 0
-    for k in range(0, p.length, shift):
-        c = min(shift, p.length - k)
-        dst = graph.call_function(aten.slice.Tensor, (buf, 0, (p.dst_offset + k) * inner,
-                                                      (p.dst_offset + k + c) * inner))
-        src = graph.call_function(aten.slice.Tensor, (buf, 0, (p.src_offset + k) * inner,
-                                                      (p.src_offset + k + c) * inner))
-        graph.call_function(aten.copy_.default, (dst, src))
+    for k in range(0, length, shift):
+        c = min(shift, length - k)
+        to = graph.call_function(aten.slice.Tensor, (base, dim, dst + k, dst + k + c))
+        frm = graph.call_function(aten.slice.Tensor, (base, dim, src + k, src + k + c))
+        graph.call_function(aten.copy_.default, (to, frm))
         n += 1
     return n
 
@@ -252,20 +255,6 @@ def _envelope_offset(node: object, state, axis: int) -> int | None:
         if dim == axis and step == 1 and isinstance(start, int) and start >= 0:
             return start
     return None
-
-
-def _shift_along(graph, envelope: Node, p: _Part, axis: int, origin: int) -> int:
-    """The chunked move of part ``p`` toward the envelope's front along the clock axis (see ``_shift``)."""
-    src0 = origin + p.src_offset
-    shift = src0 - p.dst_offset
-    n = 0
-    for k in range(0, p.length, shift):
-        c = min(shift, p.length - k)
-        dst = graph.call_function(aten.slice.Tensor, (envelope, axis, p.dst_offset + k, p.dst_offset + k + c))
-        src = graph.call_function(aten.slice.Tensor, (envelope, axis, src0 + k, src0 + k + c))
-        graph.call_function(aten.copy_.default, (dst, src))
-        n += 1
-    return n
 
 
 def _writers(graph) -> dict[Node, list[Node]]:
