@@ -110,10 +110,20 @@ def count_launches(fn: Callable[[], Any], *, calls: int = 1) -> tuple[float, flo
     return p["launches"], p["kernels"]
 
 
+GAP_FIELDS = ("span_ms", "short_gaps_ms", "host_gaps_ms", "lead_ms")  # see profile_calls
+_HOST_GAP_US = 5.0  # an idle stretch on the device this long is waiting for the host, not a node switch
+
+
 def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
     """Per call of ``fn``: host launch API calls, device kernels, and device busy time (the sum of
     kernel durations, ms: the floor a launch-free schedule of the same kernels could reach). nan
-    without CUDA."""
+    without CUDA.
+
+    Where the time between busy and the wall goes: ``span_ms`` (first device activity to last, copies
+    included), the idle time inside it split at ``_HOST_GAP_US`` into ``short_gaps_ms`` (the device
+    going from one kernel to the next: the per-node cost of a graph or a launch queue that is ahead)
+    and ``host_gaps_ms`` (the device waiting for the host), and ``lead_ms`` (the call's start to the
+    first device activity: host work before anything is queued)."""
     nan = float("nan")
     if not torch.cuda.is_available():
         return {"launches": nan, "kernels": nan, "busy_ms": nan}
@@ -126,14 +136,35 @@ def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
         sync()
     launches = kernels = 0
     busy_us = 0.0
+    device: list[tuple[float, float]] = []
+    host_start = None
     for ev in prof.events():
         if ev.name in _LAUNCH_APIS:
             launches += 1
-        elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name \
-                and "Memset" not in ev.name:
-            kernels += 1
-            busy_us += ev.time_range.elapsed_us()
-    return {"launches": launches / calls, "kernels": kernels / calls, "busy_ms": busy_us / 1e3 / calls}
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            device.append((ev.time_range.start, ev.time_range.end))
+            if "Memcpy" not in ev.name and "Memset" not in ev.name:
+                kernels += 1
+                busy_us += ev.time_range.elapsed_us()
+        elif host_start is None or ev.time_range.start < host_start:
+            host_start = ev.time_range.start
+    out = {"launches": launches / calls, "kernels": kernels / calls, "busy_ms": busy_us / 1e3 / calls}
+    if device:
+        device.sort()
+        short = host = 0.0
+        end = device[0][1]
+        for s, e in device[1:]:
+            if s > end:
+                gap = s - end
+                if gap < _HOST_GAP_US:
+                    short += gap
+                else:
+                    host += gap
+            end = max(end, e)
+        lead = device[0][0] - host_start if host_start is not None else nan
+        out.update(span_ms=(end - device[0][0]) / 1e3 / calls, short_gaps_ms=short / 1e3 / calls,
+                   host_gaps_ms=host / 1e3 / calls, lead_ms=lead / 1e3 / calls)
+    return out
 
 
 def peak_mib(reset: bool = False) -> float | None:
@@ -220,12 +251,16 @@ def _run_one(script, cell: str, lane: int, block: int | None, args: Sequence[str
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, str(script), "--one", cell, "--out", str(out), "--lane", str(lane)]
         cmd += (["--block", str(block)] if block is not None else []) + list(args)
+        t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - t0  # the whole process: import, build, export, optimize, stream
         if proc.returncode != 0 or not out.exists():
-            return [dict(name=cell, block=block or 0, lane=lane, error=(proc.stdout + proc.stderr)[-3000:])], ""
+            return [dict(name=cell, block=block or 0, lane=lane, process_s=wall,
+                         error=(proc.stdout + proc.stderr)[-3000:])], ""
         got = json.loads(out.read_text())
     new = got if isinstance(got, list) else [got]
     for r in new:
+        r["process_s"] = wall
         if block is not None:
             r["block"] = block
         r.setdefault("block", 0)
@@ -235,11 +270,12 @@ def _run_one(script, cell: str, lane: int, block: int | None, args: Sequence[str
 
 def _progress(r: dict) -> str:
     where = f"[{r['name']} lane {r.get('lane', 0)} block {r.get('block', 0)}]"
+    took = f" (process {r['process_s']:.0f} s)" if r.get("process_s") is not None and r.get("block", 0) == 0 else ""
     if "error" in r:
-        return f"{where} FAILED\n{r['error']}"
+        return f"{where} FAILED{took}\n{r['error']}"
     peak = f"{r['peak_mib']:.0f} MiB" if r.get("peak_mib") is not None else "n/a"
     return (f"{where} p50 {r['p50_ms']:.2f} ms, p95 {r['p95_ms']:.2f} ms, peak {peak}, sha {r['sha256'][:12]}"
-            + (f", {r['notes']}" if r.get("notes") else ""))
+            + (f", {r['notes']}" if r.get("notes") else "") + took)
 
 
 def collect(args: argparse.Namespace, script: str | Path, common: Sequence[str], *, per_block: bool) -> list[dict]:
@@ -299,8 +335,10 @@ def gate(rows: Iterable[dict], baseline: str = BASELINE) -> list[dict]:
     base = {(r["name"], *_where(r)): r for r in cells if r["name"] in bases and "error" not in r}
     for r in cells:
         own = r.get("baseline", baseline)  # a cell of another dtype path is gated against that path's stock cell
-        b = base.get((own, *_where(r))) or next((v for (n, _run, _lane, blk), v in base.items()
-                                                 if n == own and blk == r.get("block", 0)), None)
+        run, _lane, block = _where(r)
+        b = base.get((own, *_where(r))) or next(  # the same run's other lane first, then any run's
+            (v for (n, rn, _l, blk), v in sorted(base.items(), key=lambda kv: kv[0][1] != run)
+             if n == own and blk == block), None)
         r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
         r["speedup"] = (1.0 if r["name"] == own and "error" not in r
                         else b["p50_ms"] / r["p50_ms"] if r["bitexact"] else None)
@@ -335,7 +373,8 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
         prof = next((r for r in rs if r.get("busy_ms") == r.get("busy_ms") and r.get("busy_ms") is not None), None)
         if prof:  # the floor a launch-free schedule of the same kernels reaches, and how far the cell is from it
             s.update(busy_ms=prof["busy_ms"], p50_over_busy=p50 / prof["busy_ms"] if prof["busy_ms"] else None,
-                     kernels_per_chunk=prof.get("kernels_per_chunk"))
+                     kernels_per_chunk=prof.get("kernels_per_chunk"),
+                     **{k: prof[k] for k in GAP_FIELDS if prof.get(k) is not None})
         own = rs[0].get("baseline", baseline)
         if own != baseline:
             s["baseline"] = own

@@ -246,7 +246,7 @@ def _row(name, block, ms, sha, prof, warm, notes="", **extra):
     return dict(name=name, block=block, p50_ms=harness.percentile(ms, 50), p95_ms=harness.percentile(ms, 95),
                 peak_mib=harness.peak_mib(), kernels_per_chunk=prof.get("kernels", nan),
                 launches_per_chunk=prof.get("launches", nan), busy_ms=prof.get("busy_ms", nan), warmup_s=warm,
-                sha256=sha, notes=notes, ms=ms, **extra)
+                sha256=sha, notes=notes, ms=ms, **{k: prof[k] for k in harness.GAP_FIELDS if k in prof}, **extra)
 
 
 def _ready(device: str) -> None:
@@ -623,7 +623,7 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
-              "busy_ms", "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "export_s", "export_cached", "optimize_s",
+              "busy_ms", *harness.GAP_FIELDS, "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "process_s", "export_s", "export_cached", "optimize_s",
               "memory", "capture_reports", "baseline", "vocoder")  # what the --json report keeps of each row
 
 
