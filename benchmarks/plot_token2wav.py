@@ -1,9 +1,12 @@
-"""Per-chunk latency across the stream for B0 and the optimized cells, with the 1 s cadence budget.
+"""Every Token2Wav cell of a report: latency per chunk and peak memory, each beside its own baseline.
 
-    python benchmarks/plot_token2wav.py docs/results/token2wav-h200.json docs/results/token2wav-h200.png [RUN]
+    python benchmarks/plot_token2wav.py docs/results/token2wav-h200.json docs/results/token2wav-h200.png
 
-With several runs merged in the JSON, RUN picks the one whose rows are drawn (default: the last run
-that has every cell), so the curves are one run's.
+Left: per cell, the median over blocks of the per-block p50 (bar) and the largest block p95 (tick),
+log scale, with the 1 s cadence budget. Right: peak MiB. A cell's label names the run (device call) it
+ran in and the baseline it is gated against; hatched bars are cells whose bytes differ from that
+baseline (no speedup is credited to them). Runs merged into one report stay apart: each cell is
+compared only with the baseline of its own run.
 """
 
 from __future__ import annotations
@@ -15,32 +18,64 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from harness import percentile  # noqa: E402  (the report's own median, so the plot shows its numbers)
+
+ORDER = ("B0", "vendor", "vendor_live", "compile", "S", "R", "Rc", "SR", "SRc", "SRc1", "B0h", "SRch", "B0n", "SRcn")
 
 
-def main(src: str, dst: str, run: int | None = None, cells: tuple[str, ...] = ("B0", "SRc", "SR", "compile")) -> None:
-    data = json.load(open(src))
-    if run is None:
-        runs = sorted({r.get("run", 0) for r in data["cells"]})
-        run = max((k for k in runs if all(any(r["name"] == c and r.get("run", 0) == k for r in data["cells"])
-                                             for c in cells)), default=runs[-1])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name in cells:
-        rows = [r for r in data["cells"] if r["name"] == name and r.get("block") == 0 and r.get("ms")
-                and r.get("run", 0) == run]
-        if not rows:
+def _cells(data: dict) -> list[dict]:
+    """One entry per (cell, run): block p50s' median, worst p95, peak, exactness, baseline."""
+    out: dict[tuple[str, int], dict] = {}
+    for r in data["cells"]:
+        if "error" in r:
             continue
-        row = rows[-1]
-        exact = "bit-exact" if row.get("bitexact") else "NOT bit-exact"
-        ax.plot(range(1, len(row["ms"]) + 1), row["ms"], marker=".", label=f"{name} (block 0, {exact} with B0)")
-    ax.axhline(1000, color="red", linestyle="--", label="1 s cadence budget")
-    ax.set_yscale("log")
-    ax.set_xlabel("chunk (25 tokens = 1 s of speech)")
-    ax.set_ylabel("wall time per chunk, ms")
-    ax.set_title(f"Token2Wav streaming, {data['gpu']}, torch {data['torch']}")
-    ax.legend()
+        e = out.setdefault((r["name"], r.get("run", 0)), dict(name=r["name"], run=r.get("run", 0), p50=[], p95=[],
+                                                               peak=0.0, exact=True, baseline=r.get("baseline", "B0")))
+        e["p50"].append(r["p50_ms"])
+        e["p95"].append(r["p95_ms"])
+        e["peak"] = max(e["peak"], r.get("peak_mib") or 0.0)
+        e["exact"] = e["exact"] and bool(r.get("bitexact"))
+    rank = {n: i for i, n in enumerate(ORDER)}
+    cells = sorted(out.values(), key=lambda e: (e["run"], rank.get(e["name"], len(ORDER)), e["name"]))
+    for e in cells:
+        e["p50"] = percentile(e["p50"], 50)
+        e["p95"] = max(e["p95"])
+    return cells
+
+
+def main(src: str, dst: str) -> None:
+    data = json.load(open(src))
+    cells = _cells(data)
+    labels = [f"{e['name']} (call {e['run'] + 1}" + ("" if e["name"] == e["baseline"] else f", vs {e['baseline']}") + ")"
+              for e in cells]
+    colors = ["tab:gray" if e["name"].startswith("B0") else "tab:orange" if e["name"] in ("vendor", "vendor_live", "compile")
+              else "tab:blue" for e in cells]
+    hatch = [None if e["exact"] else "//" for e in cells]
+    y = range(len(cells))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 0.42 * len(cells) + 1.6), sharey=True)
+    bars = ax.barh(y, [e["p50"] for e in cells], color=colors)
+    ax.scatter([e["p95"] for e in cells], y, marker="|", color="black", s=120, label="p95 (worst block)", zorder=3)
+    ax.axvline(1000, color="red", linestyle="--", label="1 s cadence budget")
+    ax.set_xscale("log")
+    ax.set_xlabel("ms per 1 s chunk (p50, median of blocks)")
+    ax.set_yticks(list(y), labels)
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize=8)
+    pbars = bx.barh(y, [e["peak"] for e in cells], color=colors)
+    bx.set_xlabel("peak MiB (torch.cuda.max_memory_allocated)")
+    for bs in (bars, pbars):
+        for b, h in zip(bs, hatch):
+            if h:
+                b.set_hatch(h)
+                b.set_edgecolor("black")
+    for i, e in enumerate(cells):
+        ax.text(e["p50"] * 1.05, i, f"{e['p50']:.1f}" + ("" if e["exact"] else " (not bit-exact)"), va="center", fontsize=7)
+        bx.text(e["peak"] * 1.01, i, f"{e['peak']:,.0f}", va="center", fontsize=7)
+    fig.suptitle(f"Token2Wav released sizes, {data['gpu']}, torch {data['torch']}, {data.get('date', '')}: grey stock, "
+                 f"orange vendor / torch.compile, blue cadence_fx; hatched = bytes differ from its baseline", fontsize=9)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(sys.argv[1], sys.argv[2])
