@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -165,6 +166,43 @@ def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
         out.update(span_ms=(end - device[0][0]) / 1e3 / calls, short_gaps_ms=short / 1e3 / calls,
                    host_gaps_ms=host / 1e3 / calls, lead_ms=lead / 1e3 / calls)
     return out
+
+
+def record_memory() -> None:
+    """Start recording device allocations with their Python stacks (read by :func:`write_memory_peak`)."""
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+
+def write_memory_peak(path: str, name: str, top: int = 30) -> None:
+    """What the allocations made since recording began (warm-up and the first block) held at their
+    highest: the trace replayed event by event, the live set at the maximum grouped by where it was
+    allocated (the innermost frames of this project and of the model)."""
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    live: dict[int, tuple[int, list]] = {}
+    now = best = 0
+    best_live: dict[int, tuple[int, list]] = {}
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
+            now += ev["size"]
+            if now > best:
+                best, best_live = now, dict(live)
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])[0]
+    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for size, frames in best_live.values():
+        where = " <- ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
+                            if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
+        groups[where[:400]][0] += size
+        groups[where[:400]][1] += 1
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
+                f"{len(best_live)} blocks ({len(trace)} events)\n")
+        for where, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+            f.write(f"{size / 2**20:9.1f} MiB {n:5d} blocks  {where}\n")
 
 
 def peak_mib(reset: bool = False) -> float | None:

@@ -342,14 +342,29 @@ def run_stock_cell(args, name: str) -> list[dict]:
         extra.update(envelope={k: str(v) for k, v in env.items()}, gpu=torch.cuda.get_device_name() if device == "cuda"
                      else "cpu", torch=torch.__version__, moshi=up.version)
     _ready(device)
+    _record(args, device)
     with mo.upstream_eager(up, cuda_graph=graphed):
         res = stream(stages, pcm[:-1], steps.max_delay, device, probe)
+        _write_peak(args, device, name)
         prof = _profile(stages, pcm[-1])
     notes = "CUDAGraphed as shipped (captured on the 2nd call)" if graphed else "eager (NO_CUDA_GRAPH=1)"
     if name == "B0b":
         notes += ", B0 again in its own process"
     first = res["ms"]["frame"][:3]
     return [_row(name, res, prof, 0.0, notes, lane=args.lane, first_frames_ms=first, **extra)]
+
+
+def _record(args, device: str) -> None:
+    """``--memory-peak``: record allocations from the moment the cell is ready (the peak's start)."""
+    if args.memory_peak and device == "cuda":
+        harness.record_memory()
+
+
+def _write_peak(args, device: str, name: str) -> None:
+    """``--memory-peak``: what was live at the cell's peak (warm-up, captures and the stream), by where
+    it was allocated; before the profiled frame, which is not part of the peak."""
+    if args.memory_peak and device == "cuda":
+        harness.write_memory_peak(args.memory_peak, name)
 
 
 def run_opt_cell(args, name: str) -> list[dict]:
@@ -384,6 +399,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     state = {s: _initial(getattr(steps, s), contracts[s], spec["state"], device) for s in STAGES}
     released = sum(getattr(steps, s).release_state() for s in STAGES)
     _ready(device)
+    _record(args, device)
     t0 = time.perf_counter()
     for s in STAGES:
         # region inputs are views of the program's buffers in warm-up; other inputs are zeros it makes
@@ -407,6 +423,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     probe = lm_probe(lm_step, lambda: {lm_step.slot_of(n).name: t for n, t in st["lm"].items()},
                      kv_full_every=args.kv_full_every)
     res = stream(stages, pcm[:-1], steps.max_delay, device, probe)
+    _write_peak(args, device, name)
     counters = {s: _delta(before[s], progs[s].counters()) for s in STAGES}
     prof = _profile(stages, pcm[-1])
     state_info = {s: ({} if spec.get("exported") else _state_info(progs[s], contracts[s], spec["state"]))
@@ -497,6 +514,8 @@ def main() -> None:
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
     ap.add_argument("--kv-full-every", type=int, default=KV_FULL_EVERY,
                     help="frames between digests of every written LM KV position (0: never; see lm_probe)")
+    ap.add_argument("--memory-peak", default=None,
+                    help="append what was live at each cell's device peak, grouped by where it was allocated")
     harness.add_flags(ap, cells="B0,vendor,S,R,SR", blocks=1)
     args = ap.parse_args()
     if args.one:
@@ -504,7 +523,7 @@ def main() -> None:
         harness.write_cell(args.out, cell(args, args.one))
         return
     common = ["--frames", str(args.frames), "--kv-full-every", str(args.kv_full_every)] + (
-        ["--reduced"] if args.reduced else [])
+        ["--reduced"] if args.reduced else []) + (["--memory-peak", args.memory_peak] if args.memory_peak else [])
     report(harness.collect(args, __file__, common, per_block=False), args)
 
 

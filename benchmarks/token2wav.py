@@ -268,7 +268,7 @@ def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None
         before = counts()
         ms, sha, prof = _stream(fn, step, state0, fresh, 1000 + block, restore, device, block == 0, on_host, owned)
         if block == 0 and args.memory_peak and device == "cuda":
-            _write_memory_peak(args.memory_peak, name)
+            harness.write_memory_peak(args.memory_peak, name)
         notes = ", ".join(x for x in (describe(before, counts()), "restore" if restore else "") if x)
         rows.append(_row(name, block, ms, sha, prof, warm, notes, **extra))
         print(f"[{name} block {block}] p50 {rows[-1]['p50_ms']:.1f} ms, peak {rows[-1]['peak_mib']} MiB, {notes}",
@@ -319,7 +319,7 @@ def run_stock_cell(args, name: str) -> list[dict]:
         warm = time.perf_counter() - t0
     _ready(device)
     if args.memory_peak and device == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        harness.record_memory()
     if not name.startswith("vendor"):
         return _blocks(args, name, fn, step, state0, spk, device, warm, owned=True, **extra)
     buckets = sorted(step.flow.decoder.estimator.graph_chunk)
@@ -358,7 +358,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     # only the per-call inputs: warm-up captures on views of the region buffers, no state is needed
     first = step.fresh(1, spk)[0]
     if (args.memory_top or args.memory_peak) and device == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        harness.record_memory()
     warm = prog.warmup(*[first.get(n) for n in step.inputs])["seconds"]
     fn, counts, decode, vocoder = prog, prog.counters, None, {}
     if not hift:
@@ -515,40 +515,6 @@ def _write_memory_top(path: str, name: str, top: int = 25) -> None:
             where = [f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
                      if fr["filename"].endswith(".py") or fr["filename"].startswith("<eval")][:6]
             f.write(f"{size / 2**20:9.1f} MiB pool={pool} {' <- '.join(where)}\n")
-
-
-def _write_memory_peak(path: str, name: str, top: int = 30) -> None:
-    """What the allocations made since recording began (warm-up and the first block) held at their
-    highest: the trace replayed event by event, the live set at the maximum grouped by where it was
-    allocated (the innermost frames of this project and of the model)."""
-    from collections import defaultdict
-
-    snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snap["device_traces"][torch.cuda.current_device()]
-    live: dict[int, tuple[int, list]] = {}
-    now = best = 0
-    best_live: dict[int, tuple[int, list]] = {}
-    for ev in trace:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], ev.get("frames", []))
-            now += ev["size"]
-            if now > best:
-                best, best_live = now, dict(live)
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            now -= live.pop(ev["addr"])[0]
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, frames in best_live.values():
-        where = " <- ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
-                            if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
-        groups[where[:400]][0] += size
-        groups[where[:400]][1] += 1
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
-                f"{len(best_live)} blocks ({len(trace)} events)\n")
-        for where, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
-            f.write(f"{size / 2**20:9.1f} MiB {n:5d} blocks  {where}\n")
 
 
 CENSUS_FIELDS = {"parameters": "parameters_mib", "constants": "buffers_and_constants_mib", "regions": "regions_mib",

@@ -10,6 +10,7 @@
 #   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py)
 #   FRAMES=1000 scripts/gpu.sh moshi B0,vendor,S,R,SR   Moshi cells, each in a fresh process (benchmarks/moshi.py;
 #                                  needs moshi 0.2.13: its wheel in .whl/ or .upstream/moshi-0.2.13)
+#   MOSHI_FLAGS="--memory-peak $OUT/moshi-peak.txt" FRAMES=100 scripts/gpu.sh moshi SR,vendor   what each peak holds
 #   scripts/gpu.sh cold [--chunks 4]   cold start: export, optimize, save, then load + capture + first chunk
 #                                      in a fresh process (benchmarks/cold_start.py), about 3 minutes
 #   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 16,17,18/32,34,36 --pack --join-live --seconds 30 \
@@ -35,7 +36,7 @@ case "${1:-}" in
   cells) python3 benchmarks/token2wav.py --blocks 4 --chunks 24 --lanes "${LANES:-1}" --cells "$2" --rows "$OUT/rows.jsonl" \
            ${EXPORT_CACHE:+--export-cache "$EXPORT_CACHE"} ${T2W_FLAGS:-} \
            --json "$OUT/token2wav-partial.json" 2>&1 | tee -a "$OUT/bench.log" ;;
-  moshi) python3 benchmarks/moshi.py --frames "${FRAMES:-1000}" --cells "${2:-B0,vendor,S,R,SR}" \
+  moshi) python3 benchmarks/moshi.py --frames "${FRAMES:-1000}" --cells "${2:-B0,vendor,S,R,SR}" ${MOSHI_FLAGS:-} \
            --rows "$OUT/moshi-rows.jsonl" --json "$OUT/moshi.json" 2>&1 | tee -a "$OUT/moshi.log" ;;
   cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" --rows "$OUT/cadence-rows.jsonl" "$@" 2>&1 \
              | tee -a "$OUT/cadence.log" ;;
