@@ -151,21 +151,28 @@ def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
             host_start = ev.time_range.start
     out = {"launches": launches / calls, "kernels": kernels / calls, "busy_ms": busy_us / 1e3 / calls}
     if device:
-        device.sort()
-        short = host = 0.0
-        end = device[0][1]
-        for s, e in device[1:]:
-            if s > end:
-                gap = s - end
-                if gap < _HOST_GAP_US:
-                    short += gap
-                else:
-                    host += gap
-            end = max(end, e)
-        lead = device[0][0] - host_start if host_start is not None else nan
-        out.update(span_ms=(end - device[0][0]) / 1e3 / calls, short_gaps_ms=short / 1e3 / calls,
-                   host_gaps_ms=host / 1e3 / calls, lead_ms=lead / 1e3 / calls)
+        out.update({k: v / calls for k, v in device_gaps(device, host_start).items()})
     return out
+
+
+def device_gaps(device: Sequence[tuple[float, float]], host_start: float | None = None) -> dict[str, float]:
+    """Split the device timeline of ``device`` (``(start, end)`` µs of every kernel and copy, overlaps
+    allowed) into ``span_ms``, ``short_gaps_ms`` (idle stretches under ``_HOST_GAP_US``),
+    ``host_gaps_ms`` (longer ones) and ``lead_ms`` (``host_start`` to the first activity; nan without it)."""
+    ivs = sorted(device)
+    short = host = 0.0
+    end = ivs[0][1]
+    for s, e in ivs[1:]:
+        if s > end:
+            gap = s - end
+            if gap < _HOST_GAP_US:
+                short += gap
+            else:
+                host += gap
+        end = max(end, e)
+    lead = ivs[0][0] - host_start if host_start is not None else float("nan")
+    return {"span_ms": (end - ivs[0][0]) / 1e3, "short_gaps_ms": short / 1e3, "host_gaps_ms": host / 1e3,
+            "lead_ms": lead / 1e3}
 
 
 def record_memory() -> None:

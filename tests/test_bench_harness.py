@@ -1,0 +1,63 @@
+"""The benchmark harness's pure parts: the exactness gate across lanes and runs, the split of a
+profiled call's device timeline, and the every-cell plot (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from benchmarks import harness  # noqa: E402
+
+
+def _row(name, sha, p50, *, run=0, lane=0, block=0, **kw):
+    return dict(name=name, sha256=sha, p50_ms=p50, p95_ms=p50, run=run, lane=lane, block=block, **kw)
+
+
+def test_a_lane_without_baseline_is_gated_against_its_own_runs_baseline_first():
+    rows = [_row("B0", "old", 400.0, run=0), _row("B0", "new", 300.0, run=1, lane=0),
+            _row("SRc", "new", 60.0, run=1, lane=1), _row("SR", "old", 60.0, run=1, lane=1, block=0)]
+    gated = {(r["name"], r["run"]): r for r in harness.gate(rows)}
+    assert gated[("SRc", 1)]["bitexact"] is True
+    assert gated[("SRc", 1)]["speedup"] == 300.0 / 60.0  # run 1's B0, not run 0's
+    assert gated[("SR", 1)]["bitexact"] is False and gated[("SR", 1)]["speedup"] is None
+
+
+def test_a_run_without_any_baseline_falls_back_to_another_runs():
+    rows = [_row("B0", "x", 200.0, run=0), _row("S", "x", 100.0, run=1), _row("S", "y", 100.0, run=1, block=1)]
+    gated = harness.gate(rows)
+    assert [r["bitexact"] for r in gated if r["name"] == "S"] == [True, False]  # block 1 has no baseline at all
+
+
+def test_device_gaps_split_node_switches_from_host_waits():
+    # kernels in µs: two back to back, a 2 µs switch, an overlap, then a 50 µs wait for the host
+    ivs = [(10.0, 20.0), (20.0, 30.0), (32.0, 40.0), (35.0, 45.0), (95.0, 100.0)]
+    g = harness.device_gaps(ivs, host_start=4.0)
+    assert math.isclose(g["span_ms"], 0.090)
+    assert math.isclose(g["short_gaps_ms"], 0.002)
+    assert math.isclose(g["host_gaps_ms"], 0.050)
+    assert math.isclose(g["lead_ms"], 0.006)
+    assert math.isnan(harness.device_gaps(ivs)["lead_ms"])
+
+
+def test_plot_every_cell_writes_an_image(tmp_path):
+    from benchmarks import plot_token2wav
+
+    cells = [_row("B0", "a", 300.0, peak_mib=3766.0, bitexact=True),
+             _row("SRc", "a", 63.0, peak_mib=1673.0, bitexact=True),
+             _row("compile", "b", 90.0, peak_mib=3765.0, bitexact=False),
+             _row("B0h", "c", 400.0, run=1, peak_mib=1962.0, bitexact=True, baseline="B0h"),
+             _row("SRch", "c", 43.0, run=1, peak_mib=996.0, bitexact=True, baseline="B0h"),
+             dict(name="S", run=1, block=0, error="cut by the slot")]
+    src = tmp_path / "report.json"
+    src.write_text(json.dumps(dict(gpu="test GPU", torch="x", date="d", cells=cells)))
+    entries = plot_token2wav._cells(json.loads(src.read_text()))
+    assert [(e["name"], e["run"]) for e in entries] == [("B0", 0), ("compile", 0), ("SRc", 0), ("B0h", 1), ("SRch", 1)]
+    assert [e["exact"] for e in entries] == [True, False, True, True, True]
+    dst = tmp_path / "cells.png"
+    plot_token2wav.main(str(src), str(dst))
+    assert dst.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
