@@ -474,7 +474,8 @@ def _adopt_step_tensors(eps: list, step) -> None:
                     if not torch.equal(mine.to(t.device), t):
                         raise ValueError(f"cached export's weight {name!r} differs from the step's")
                 else:  # a buffer holds what the export's runs left in it (scratch): as the exporting cell's does
-                    with torch.no_grad():
+                    # (the float16 step's casts made some buffers inference tensors: written only in that mode)
+                    with torch.inference_mode() if mine.is_inference() else torch.no_grad():
                         mine.copy_(t)
                 table[name] = mine if not isinstance(t, torch.nn.Parameter) or isinstance(mine, torch.nn.Parameter) \
                     else torch.nn.Parameter(mine, requires_grad=t.requires_grad)

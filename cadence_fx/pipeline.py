@@ -6,7 +6,14 @@ The pipeline ends at an annotated graph (:mod:`cadence_fx.annotations`); the run
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from torch.fx import GraphModule
+
+try:  # torch's own switch (private): without it every edit regenerates code, slower but the same program
+    from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+except ImportError:  # pragma: no cover - older or newer torch
+    _LazyGraphModule, _use_lazy_graph_module = None, None
 
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.bind_constants import bind_constants
@@ -39,9 +46,19 @@ PIPELINE = (
 
 
 def run_pipeline(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Run every pass in order; passes edit graphs, the code is generated once at the end."""
-    for p in PIPELINE:
-        gm = p(gm, ctx)
-        gm.graph.lint()
-    gm.recompile()
+    """Run every pass in order; passes edit graphs, the code is generated once at the end.
+
+    Modules made while the passes run (the partitions ``split_module`` builds, the ones passes add)
+    are lazy: recompiling one only marks it, so a partition edited by several passes gets its Python
+    code generated once, here, instead of once per edit. Generated here rather than at a module's
+    first call, so the program handed back is complete and no first call (from any thread) builds code.
+    """
+    with _use_lazy_graph_module(True) if _use_lazy_graph_module else nullcontext():
+        for p in PIPELINE:
+            gm = p(gm, ctx)
+            gm.graph.lint()
+        gm.recompile()
+    if _LazyGraphModule is not None:
+        for m in gm.modules():
+            _LazyGraphModule.force_recompile(m)  # type: ignore[arg-type]
     return gm

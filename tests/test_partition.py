@@ -127,6 +127,11 @@ def test_split_at_cuts_a_wrapped_loop_into_one_graph_per_step():
                     if n.op == "call_module" and n.meta.get(WRAPPED)]
         solver = [s for w, s in segments if "solver" in w]
         assert solver == list(range(cfg.steps)), segments
+        # the partitions were built lazily (code generated once per module, not per pass that edits
+        # it) and the program handed back is complete: no first call, from any thread, builds code
+        for m in gm.modules():
+            if isinstance(m, torch.fx.GraphModule):
+                assert type(m).forward is not getattr(type(m), "_lazy_forward", None), type(m)
     state0 = list(model.initial_state())
     prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
     before = prog.counters()
