@@ -8,6 +8,7 @@ the state store that owns the regions and workspaces, and the replay runners.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -344,7 +345,9 @@ class OptimizedProgram:
             with self.lanes.take(lane.index), lane.state.preserved(self._written_buffers(lane)) as restored, \
                     lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
                     lane.stream_context(), torch.no_grad():
-                for key, entry in lane.catalog.items():
+                # the largest classes first: the lane's engines stage into one arena, which then
+                # never has to grow for a later class (a grown arena keeps the old one alive)
+                for key, entry in sorted(lane.catalog.items(), key=lambda kv: -_input_bytes(kv[0])):
                     flat = self._warmup_args(lane, key, entry, example_args)
                     if self.state_rule:
                         for name, site in entry.sites.items():
@@ -530,6 +533,15 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     if not eps:
         raise ContractError("optimize: no exported program given")
     return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state, lanes=lanes)
+
+
+def _input_bytes(key: tuple) -> int:
+    """Bytes of the tensor inputs a catalog key describes (symbolic sizes count as 0)."""
+    total = 0
+    for k in key:
+        if k[0] == "T" and all(isinstance(n, int) for n in k[1]):
+            total += math.prod(k[1]) * k[2].itemsize
+    return total
 
 
 def _check_lanes(lanes: object) -> None:

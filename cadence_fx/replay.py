@@ -34,7 +34,7 @@ except ImportError:  # numpy is optional; its global RNG is then not watched
 
 __all__ = [
     "ClassReport", "CudaGraphBackend", "ExactShapeReplay", "FakeBackend",
-    "ReplayBackend", "ReplayCounters", "Signature",
+    "ReplayBackend", "ReplayCounters", "Signature", "StagingArena",
 ]
 
 log = logging.getLogger("cadence_fx.replay")
@@ -232,7 +232,9 @@ class ClassReport:
     effect: str | None = None          # "pure" | "device_rng"
     capture_seconds: float = 0.0       # probe + warm-up + capture
     graph_bytes: int = 0               # memory_reserved delta across capture (see module doc)
-    staging_bytes: int = 0             # static input buffers, outside the graph pool
+    staging_bytes: int = 0             # static input buffers this capture allocated (outside the graph pool;
+                                       # 0 when they fit in the engine's shared StagingArena)
+    staged_bytes: int = 0              # what each replay copies into static input buffers
     aliased_ptrs: dict[int, int] = field(default_factory=dict)
     copy_back: tuple[int, ...] = ()    # staged arguments fn mutates, written back after replay
     snapshotted: frozenset[int] = frozenset()  # storages of the arguments capture snapshotted to rewind
@@ -299,15 +301,67 @@ class _Stage:
             self.dst.copy_(src.as_strided((self.span,), (1,), src.storage_offset()))
 
 
-def _staging_buffer(index: int, t: torch.Tensor) -> tuple[torch.Tensor, _Stage]:
-    """A buffer with the shape, strides, dtype, device and pointer alignment of ``t``."""
-    extent = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    shift = (t.data_ptr() % _ALIGN) // t.element_size()
-    flat = torch.empty(extent + shift, dtype=t.dtype, device=t.device)
-    static = flat.as_strided(t.shape, t.stride(), shift)
+class StagingArena:
+    """Device memory that the staged arguments of a set of engines share (the runners of one lane).
+
+    The engines of one lane replay one at a time, in the order of one stream. Every replay loads its
+    staged arguments just before it runs, and the outputs that view them are cloned before the next
+    engine runs. So their classes can stage into the same bytes: the lane holds the largest class's
+    staging, not the sum over every class of every engine. (Without the state rule, a solver's history
+    passed to each of ten step graphs was staged once per graph.)
+
+    One class's arguments are packed side by side, never overlapping. A class that needs more than
+    the arena holds gets a new, larger arena; the graphs captured on the old one keep it alive, and
+    :attr:`allocated` counts both.
+    """
+
+    _GRAIN = 64  # bytes between one argument and the next; the pointer alignment inside is the argument's own
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self.allocated = 0
+
+    def place(self, tensors: Sequence[tuple[int, torch.Tensor]]) -> tuple[list[tuple[torch.Tensor, _Stage]], int]:
+        """Static buffers for one class's staged arguments ``(position, tensor)``; returns them and the bytes
+        this call newly allocated."""
+        layout, end = [], {}
+        for i, t in tensors:
+            extent, shift = _extent(t), (t.data_ptr() % _ALIGN) // t.element_size()
+            start = -(-end.get(t.device, 0) // self._GRAIN) * self._GRAIN
+            layout.append((i, t, start, extent, shift))
+            end[t.device] = start + (extent + shift) * t.element_size()
+        grown = 0
+        for dev, need in end.items():
+            buf = self._buffers.get(dev)
+            if buf is None or buf.numel() < need:
+                self._buffers[dev] = torch.empty(need, dtype=torch.uint8, device=dev)
+                grown += need
+        self.allocated += grown
+        placed = []
+        for i, t, start, extent, shift in layout:
+            nbytes = (extent + shift) * t.element_size()
+            flat = self._buffers[t.device][start:start + nbytes].view(t.dtype)
+            placed.append(_static_view(i, t, flat, extent, shift))
+        return placed, grown
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last, through its strides."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
+def _static_view(index: int, t: torch.Tensor, flat: torch.Tensor, extent: int, shift: int
+                 ) -> tuple[torch.Tensor, _Stage]:
+    static = flat.as_strided(t.shape, t.stride(), flat.storage_offset() + shift)
     if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
         return static, _Stage(index, flat[shift:], extent)
     return static, _Stage(index, static, None)
+
+
+def _staging_buffer(index: int, t: torch.Tensor) -> tuple[torch.Tensor, _Stage]:
+    """A buffer of its own with the shape, strides, dtype, device and pointer alignment of ``t``."""
+    extent, shift = _extent(t), (t.data_ptr() % _ALIGN) // t.element_size()
+    return _static_view(index, t, torch.empty(extent + shift, dtype=t.dtype, device=t.device), extent, shift)
 
 
 class ExactShapeReplay:
@@ -327,8 +381,9 @@ class ExactShapeReplay:
     def __init__(self, fn: Callable[..., Any], *, name: str, aliased: Sequence[int] = (),
                  pool: object = None, backend: ReplayBackend | None = None,
                  clone_outputs: bool = True, readonly: Sequence[int] = (),
-                 mutable: Sequence[int] | None = None) -> None:
+                 mutable: Sequence[int] | None = None, arena: StagingArena | None = None) -> None:
         self.fn = fn
+        self.arena = arena
         self.name = name
         self.aliased = tuple(sorted(set(aliased)))
         self.backend: ReplayBackend = CudaGraphBackend() if backend is None else backend
@@ -470,11 +525,16 @@ class ExactShapeReplay:
         static_args = list(args)
         stages: list[_Stage] = []
         try:
-            for i, t in enumerate(args):
-                if isinstance(t, torch.Tensor) and i not in self.aliased:
-                    static_args[i], stage = _staging_buffer(i, t)
-                    stage.load(t)
-                    stages.append(stage)
+            staged = [(i, t) for i, t in enumerate(args) if isinstance(t, torch.Tensor) and i not in self.aliased]
+            if self.arena is not None:
+                placed, staging_bytes = self.arena.place(staged)
+            else:
+                placed = [_staging_buffer(i, t) for i, t in staged]
+                staging_bytes = sum(st.untyped_storage().nbytes() for st, _ in placed)
+            for (i, t), (static, stage) in zip(staged, placed):
+                static_args[i] = static
+                stage.load(t)
+                stages.append(stage)
             # Staging buffers are reloaded before every replay, so only aliased buffers need restoring;
             # warm-up and capture read whatever the buffers hold (values never change a capture), so
             # they are rewound once, after the capture.
@@ -497,14 +557,14 @@ class ExactShapeReplay:
         snapshotted = frozenset(_storage_ptr(tensors[i]) for i in saved)
         del saved
 
-        staged = tuple(st.index for st in stages)
+        staged_at = tuple(st.index for st in stages)
         owned = {_storage_ptr(args[i]) for i in self.aliased} - {0}
         report = ClassReport(
             key, True, effect="device_rng" if device_changed else "pure",
             capture_seconds=time.perf_counter() - start, graph_bytes=graph_bytes,
-            staging_bytes=sum(static_args[i].untyped_storage().nbytes() for i in staged),
+            staging_bytes=staging_bytes, staged_bytes=sum(_extent(t) * t.element_size() for _, t in staged),
             aliased_ptrs={i: args[i].data_ptr() for i in self.aliased},
-            copy_back=tuple(sorted(i for i in mutated if i in staged)),
+            copy_back=tuple(sorted(i for i in mutated if i in staged_at)),
             snapshotted=snapshotted,
         )
         keep = tuple(o is not None and _storage_ptr(o) in owned for o in static_outputs)

@@ -262,3 +262,37 @@ def test_scratch_written_inside_a_partition_is_each_lanes_own():
         ptrs.append(gm.block.tmp.data_ptr())
     assert ptrs[0] != ptrs[1]
     assert torch.equal(prog(x), step(x))
+
+
+def test_a_lanes_engines_stage_into_one_shared_arena():
+    """Without the state rule every argument of every replayed partition is staged. The engines of a
+    lane replay one at a time, so they stage into one arena: the lane holds the largest class's
+    staging rather than the sum over classes, and every call stays bit-exact."""
+    import dataclasses
+
+    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+    from tests.helpers import run_streams
+
+    cfg = DemoConfig()
+    torch.manual_seed(0)
+    model = StreamingDecoder(cfg).eval()
+    contract = dataclasses.replace(demo_contract(cfg), split_at=("solver.estimator",))
+    eps = export_catalog(model, contract)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), state=False)
+    state0 = list(model.initial_state())
+    prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
+
+    def inputs(k, state):
+        g = torch.Generator().manual_seed(k)
+        return (torch.randn(1, cfg.chunk, cfg.dim, generator=g), *state, torch.randn(1, cfg.chunk, cfg.dim, generator=g))
+
+    refs, opts, _ = run_streams(eps, prog, inputs, state0, {1: 1, 2: 2, 3: 3}, 6)
+    for k, (r, o) in enumerate(zip(refs, opts)):
+        for j, (a, b) in enumerate(zip(r, o)):
+            assert torch.equal(a, b), (k, j)
+    reports = [r for eng in prog.runners().values() for r in eng.classes.values()]
+    staged = [r.staged_bytes for r in reports]
+    allocated = sum(r.staging_bytes for r in reports)
+    assert len(reports) > cfg.steps and prog.counters()["replays"] > 0
+    assert allocated == prog.memory_census()["staging"]
+    assert max(staged) <= allocated < sum(staged) / 2, (allocated, staged)

@@ -464,3 +464,45 @@ def test_capture_leaves_untouched_aliased_arguments_alone():
     assert w._version == w_version, "capture wrote the weight back"
     assert torch.equal(acc, acc_before), "the probe's write was not rewound"
     assert torch.equal(e(x, w, acc), x @ w) and torch.equal(acc, acc_before + x.sum())
+
+
+def test_engines_sharing_an_arena_stay_exact_and_hold_the_largest_class_only():
+    """Two engines (two partitions of one lane) stage into one arena: each replay loads its own
+    arguments first, so interleaved calls with the callers' tensors changing between them are exact,
+    and the arena holds the largest class, not the sum over classes."""
+    from cadence_fx.replay import StagingArena
+
+    arena = StagingArena()
+    e1, e2 = engine(affine, arena=arena), engine(affine, arena=arena)
+    big, small = args(n=16, seed=1), args(n=4, seed=2)
+    assert e1.capture(*big).admitted and e2.capture(*small).admitted and e1.capture(*small).admitted
+    reports = [*e1.classes.values(), *e2.classes.values()]
+    assert arena.allocated == sum(r.staging_bytes for r in reports) == reports[0].staging_bytes
+    assert arena.allocated < sum(r.staged_bytes for r in reports)
+    for k in range(4):
+        for e, a in ((e1, big), (e2, small), (e1, small)):
+            a[0].add_(0.25 * k)  # callers change their tensors between calls
+            assert_same(e(*a), affine(*a))
+    assert e1.counters.replays == 8 and e2.counters.replays == 4 and e1.counters.eager == 0
+
+
+def test_arena_packs_one_class_without_overlap_and_keeps_pointer_alignment():
+    from cadence_fx.replay import StagingArena
+
+    arena = StagingArena()
+    base = torch.zeros(64)
+    ts = [base[1:9].view(2, 4), torch.ones(3, 5, dtype=torch.float64).t(), torch.zeros(7, dtype=torch.bool),
+          torch.zeros(1, 1).expand(4, 4)]
+    placed, grown = arena.place(list(enumerate(ts)))
+    assert grown == arena.allocated > 0
+    spans = []
+    for t, (static, stage) in zip(ts, placed):
+        assert static.shape == t.shape and static.stride() == t.stride() and static.dtype == t.dtype
+        assert static.data_ptr() % 16 == t.data_ptr() % 16
+        stage.load(t)
+        assert torch.equal(static, t)
+        spans.append((static.data_ptr(), static.data_ptr() + stage.dst.numel() * t.element_size()))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    again, grown = arena.place([(0, ts[0])])  # a smaller class reuses the bytes
+    assert grown == 0 and again[0][0].data_ptr() == placed[0][0].data_ptr()

@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM, replay_spec
-from cadence_fx.replay import ExactShapeReplay, ReplayBackend
+from cadence_fx.replay import ExactShapeReplay, ReplayBackend, StagingArena
 from cadence_fx.runtime.rng import draw_random, drawing, replaying_draws
 
 __all__ = ["CaptureGate", "CaptureSession", "RandomGuard", "ReplayRunner", "RunnerSet", "install_runners",
@@ -93,6 +93,8 @@ class RunnerSet:
     gate: CaptureGate = field(default_factory=CaptureGate)
     engines: dict[str, ExactShapeReplay] = field(default_factory=dict)
     pool: object = None
+    # the engines of one lane replay one at a time on one stream: their classes share staging memory
+    arena: StagingArena = field(default_factory=StagingArena)
 
     def counters(self) -> dict[str, Any]:
         """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed)."""
@@ -132,7 +134,7 @@ def install_runners(gm: GraphModule, backend: ReplayBackend, runners: RunnerSet)
             runners.pool = backend.new_pool()
         sub = getattr(gm, node.target)
         engine = ExactShapeReplay(sub, name=spec.name, aliased=spec.aliased, pool=runners.pool, backend=backend,
-                                  readonly=spec.readonly, mutable=spec.written)
+                                  readonly=spec.readonly, mutable=spec.written, arena=runners.arena)
         setattr(gm, node.target, ReplayRunner(sub, engine, runners.gate, random=bool(node.meta.get(RANDOM))))
         runners.engines[f"{len(runners.engines)}:{node.target}:{spec.name}"] = engine
         installed += 1
