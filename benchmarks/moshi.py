@@ -383,6 +383,9 @@ def run_opt_cell(args, name: str) -> list[dict]:
         contracts.update({s: mo.moshi_contract(getattr(steps, s), hoist_constants=False, fold_weights=False)
                           for s in ("encode", "decode")})
     export_s, optimize_s, progs = {}, {}, {}
+    # the three programs run one after the other on one stream: one backend for them all, so their
+    # captures share one stream and its cuBLAS workspace, as moshi's own graphs share torch's
+    replay = mo.shared_replay(device) if spec["replay"] == "auto" else spec["replay"]
     for s in STAGES:
         step = getattr(steps, s)
         t0 = time.perf_counter()
@@ -390,7 +393,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
         export_s[s] = time.perf_counter() - t0
         t0 = time.perf_counter()
         progs[s] = (_Exported(eps) if spec.get("exported") else
-                    cf.optimize(eps, contracts[s], replay=spec["replay"], state=spec["state"]))
+                    cf.optimize(eps, contracts[s], replay=replay, state=spec["state"]))
         optimize_s[s] = time.perf_counter() - t0
         del eps
         print(f"[{name}] {s}: export {export_s[s]:.1f} s, optimize {optimize_s[s]:.1f} s", file=sys.stderr, flush=True)

@@ -70,9 +70,13 @@ class CudaGraphBackend:
 
     def __init__(self, device: torch.device | int | None = None) -> None:
         self._device = device
-        # One warm-up and one capture stream for every capture: cuBLAS keeps a workspace per
+        # One stream per device for every warm-up and capture: cuBLAS keeps a workspace per
         # (handle, stream) for the process's life (32 MiB on Hopper), so a fresh stream per
-        # capture (torch.cuda.graph's default) cost 32 MiB per graph: 600 MiB for 30 step graphs.
+        # capture cost 32 MiB per graph (600 MiB for 30 step graphs), and a warm-up stream of its
+        # own one more workspace per program. Warm-up runs eagerly, fenced on both sides, and no
+        # graph replays on this stream, so sharing it with the captures is free. (Graphs captured
+        # here use this stream's workspace when they replay: two programs given one backend must
+        # not replay at once; lanes fork a backend of their own.)
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 
     @property
@@ -85,7 +89,7 @@ class CudaGraphBackend:
         return CudaGraphBackend(self._device)
 
     def streams(self) -> list[torch.cuda.Stream]:
-        """The warm-up and capture streams created so far (one each per device)."""
+        """The warm-up and capture streams created so far (one per device, shared by both)."""
         return list(self._streams.values())
 
     def _stream(self, role: str) -> torch.cuda.Stream:
@@ -102,7 +106,7 @@ class CudaGraphBackend:
         return torch.cuda.graph_pool_handle()
 
     def side_stream(self) -> AbstractContextManager[object]:
-        return _SideStream(self._stream("warmup"))
+        return _SideStream(self._stream("capture"))
 
     def device_rng_get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device)

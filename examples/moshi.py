@@ -67,11 +67,12 @@ def main(argv: list[str] | None = None) -> bool:
     # 3. per step: its contract, the exported program, the optimized program, captured before traffic
     examples = steps.examples()
     progs = {}
+    replay = mo.shared_replay(device)  # the three run one after the other: one capture stream for all
     for name in STAGES:
         step = getattr(steps, name)
         contract = mo.moshi_contract(step)
         eps = export_step_catalog(step, step.initial_state(), [{"x": examples[name]}], contract)
-        progs[name] = cf.optimize(eps, contract)
+        progs[name] = cf.optimize(eps, contract, replay=replay)
         progs[name].warmup(examples[name])
         fields = sorted({step.slot_of(r.input).field for r in contract.regions})
         mib = sum(rp.stored_bytes for rp in progs[name].plan.regions) / 2**20

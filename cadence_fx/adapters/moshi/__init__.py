@@ -28,7 +28,7 @@ from cadence_fx.adapters.moshi.build import build_lm, build_lm_gen, build_mimi
 from cadence_fx.adapters.moshi.config import MoshiConfig
 from cadence_fx.adapters.moshi.contracts import FRAME, moshi_contract, slot_region
 from cadence_fx.adapters.moshi.driver import (Frame, StreamSteps, build_steps, install_state, reset_host_counters,
-                                              step_frame, step_stream, stock_stream, user_audio)
+                                              shared_replay, step_frame, step_stream, stock_stream, user_audio)
 from cadence_fx.adapters.moshi.state import StateSlot, UnsupportedState, read_state, state_slots, write_state
 from cadence_fx.adapters.moshi.steps import LMStep, MimiDecodeStep, MimiEncodeStep, MoshiStep, upstream_eager
 from cadence_fx.adapters.moshi.upstream import MOSHI_VERSION, UpstreamNotFound, find_moshi_root, load_moshi
@@ -36,7 +36,7 @@ from cadence_fx.adapters.moshi.upstream import MOSHI_VERSION, UpstreamNotFound, 
 __all__ = [
     "build_lm", "build_lm_gen", "build_mimi", "build_steps", "find_moshi_root", "Frame", "FRAME", "install_state",
     "LMStep", "load_moshi", "MimiDecodeStep", "MimiEncodeStep", "MOSHI_VERSION", "moshi_contract", "MoshiConfig",
-    "MoshiStep", "read_state", "reset_host_counters", "slot_region", "state_slots", "StateSlot", "step_frame", "step_stream",
+    "MoshiStep", "read_state", "reset_host_counters", "shared_replay", "slot_region", "state_slots", "StateSlot", "step_frame", "step_stream",
     "stock_stream", "StreamSteps", "UnsupportedState", "UpstreamNotFound", "upstream_eager", "user_audio",
     "write_state",
 ]

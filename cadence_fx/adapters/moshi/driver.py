@@ -153,6 +153,22 @@ def step_stream(steps: StreamSteps, programs: Mapping[str, Call], state: Mapping
     return frames
 
 
+def shared_replay(device: torch.device | str) -> Any:
+    """The ``replay=`` to optimize the three steps with: one CUDA graph backend for all of them.
+
+    The steps of a frame run one after the other on one stream, so their captures can share one
+    stream, and with it one cuBLAS workspace. Each backend otherwise keeps a workspace of its own
+    (32 MiB on Hopper), which moshi's own graphs, all on torch's default capture stream, do not pay.
+    Programs sharing a backend must not replay at the same time: serve concurrent conversations
+    through lanes (each lane forks a backend of its own), not through three programs called from
+    several threads. Off CUDA: ``"auto"`` (no replay)."""
+    if torch.device(device).type != "cuda":
+        return "auto"
+    from cadence_fx.replay import CudaGraphBackend
+
+    return CudaGraphBackend(torch.device(device).index)
+
+
 def user_audio(frames: int, *, batch_size: int = 1, frame_size: int = 1920, seed: int = 0,
                device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """``frames`` frames of the user's audio: seeded noise, 0.1 * N(0, 1) (made on the host, then moved)."""
