@@ -78,6 +78,7 @@ class CudaGraphBackend:
         # here use this stream's workspace when they replay: two programs given one backend must
         # not replay at once; lanes fork a backend of their own.)
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        self._pools: dict[int, object] = {}
 
     @property
     def device(self) -> torch.device:
@@ -85,7 +86,7 @@ class CudaGraphBackend:
                             else torch.device("cuda", self._device).index)
 
     def fork(self) -> "CudaGraphBackend":
-        """A backend on the same device with streams of its own (one per lane of sessions)."""
+        """A backend on the same device with a stream and a graph pool of its own (one per lane of sessions)."""
         return CudaGraphBackend(self._device)
 
     def streams(self) -> list[torch.cuda.Stream]:
@@ -103,7 +104,13 @@ class CudaGraphBackend:
         return torch.cuda.is_available()
 
     def new_pool(self) -> object:
-        return torch.cuda.graph_pool_handle()
+        # one pool per backend and device: the programs given one backend replay one at a time (as its
+        # one capture stream requires), and every replay's outputs are copied out before the next graph
+        # runs, so their graphs can reuse each other's freed blocks as the graphs of one program do
+        dev = self.device.index
+        if dev not in self._pools:
+            self._pools[dev] = torch.cuda.graph_pool_handle()
+        return self._pools[dev]
 
     def side_stream(self) -> AbstractContextManager[object]:
         return _SideStream(self._stream("capture"))
