@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import random
 import struct
+import threading
 import time
 import warnings
 from collections import Counter
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -75,10 +76,15 @@ class CudaGraphBackend:
         # capture cost 32 MiB per graph (600 MiB for 30 step graphs), and a warm-up stream of its
         # own one more workspace per program. Warm-up runs eagerly, fenced on both sides, and no
         # graph replays on this stream, so sharing it with the captures is free. (Graphs captured
-        # here use this stream's workspace when they replay: two programs given one backend must
-        # not replay at once; lanes fork a backend of their own.)
+        # here use this stream's workspace when they replay: the replays of the programs given one
+        # backend are serialized by exclusive(); lanes fork a backend of their own.)
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
         self._pools: dict[int, object] = {}
+        # what the graphs of one backend share (the capture stream's cuBLAS workspace, the pool, a lane's
+        # staging arena) allows one replay at a time: see exclusive()
+        self._lock = threading.Lock()
+        self._events: dict[torch.cuda.Stream, torch.cuda.Event] = {}
+        self._after: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +123,31 @@ class CudaGraphBackend:
 
     def device_rng_get(self) -> torch.Tensor:
         return torch.cuda.get_rng_state(self.device)
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold while one replay loads its inputs, replays and copies its outputs out.
+
+        The graphs of one backend share its capture stream's cuBLAS workspace and its pool (and a lane's
+        graphs share a staging arena), so two of their replays must never overlap on the device.
+        - Host threads take turns.
+        - A replay issued on another stream than the previous one first waits, on the device, for the
+          previous one to finish.
+        Programs given one backend may therefore be called from several threads and streams: their
+        replays are serialized, never interleaved. Lanes fork backends of their own and run in parallel.
+        """
+        with self._lock:
+            stream = torch.cuda.current_stream(self.device)
+            if self._after is not None and self._after[0] != stream:
+                stream.wait_event(self._after[1])
+            try:
+                yield
+            finally:
+                event = self._events.get(stream)
+                if event is None:
+                    event = self._events[stream] = torch.cuda.Event()
+                event.record(stream)
+                self._after = (stream, event)
 
     def device_rng_set(self, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, self.device)
@@ -188,6 +219,11 @@ class FakeBackend:
         self.captures = 0
         self.replays = 0
         self.fail_capture: Exception | None = None  # set to make the next captures raise
+        self._lock = threading.Lock()
+
+    def exclusive(self) -> AbstractContextManager[object]:
+        """One replay at a time, as :meth:`CudaGraphBackend.exclusive` (on the CPU, host turns are all)."""
+        return self._lock
 
     def available(self) -> bool:
         return True
@@ -398,6 +434,8 @@ class ExactShapeReplay:
         self.name = name
         self.aliased = tuple(sorted(set(aliased)))
         self.backend: ReplayBackend = CudaGraphBackend() if backend is None else backend
+        # a backend without the method (a user's own) gives no guarantee beyond one caller at a time
+        self._exclusive: Callable[[], AbstractContextManager[object]] = getattr(self.backend, "exclusive", nullcontext)
         self._live = self.backend.available()
         self.pool = pool
         self.clone_outputs = clone_outputs
@@ -467,14 +505,15 @@ class ExactShapeReplay:
             if args[i].data_ptr() != ptr:
                 self._drop(key, f"aliased argument {i} moved from {ptr:#x} to {args[i].data_ptr():#x}")
                 return self._eager("pointer_drift", key, args)
-        for stage in g.stages:
-            stage.load(args[stage.index])
-        g.replay()
-        for i in g.report.copy_back:
-            args[i].copy_(g.static_args[i])
-        self.counters.replays += 1
-        outs = [o.clone() if o is not None and self.clone_outputs and not keep else o
-                for o, keep in zip(g.static_outputs, g.keep)]
+        with self._exclusive():
+            for stage in g.stages:
+                stage.load(args[stage.index])
+            g.replay()
+            for i in g.report.copy_back:
+                args[i].copy_(g.static_args[i])
+            outs = [o.clone() if o is not None and self.clone_outputs and not keep else o
+                    for o, keep in zip(g.static_outputs, g.keep)]
+            self.counters.replays += 1
         return g.rebuild(outs)
 
     def capture(self, *args: object, restored_by_caller: frozenset[int] = frozenset()) -> ClassReport:
