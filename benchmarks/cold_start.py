@@ -58,6 +58,16 @@ def _stream(prog, names, state_out, state, fresh, seed: int) -> tuple[list, list
     return pcm, secs
 
 
+def _phases(warm: dict) -> dict[str, float]:
+    """Warm-up's capture seconds summed by phase over every class (``ClassReport.phase_seconds``)."""
+    total: dict[str, float] = {}
+    for classes in warm["classes"].values():
+        for report in classes.values():
+            for phase, sec in report.phase_seconds.items():
+                total[phase] = total.get(phase, 0.0) + sec
+    return total
+
+
 def child(args: argparse.Namespace) -> None:
     """The restarted server: load, capture, stream; prints one JSON line."""
     import torch
@@ -82,7 +92,8 @@ def child(args: argparse.Namespace) -> None:
     print("CHILD " + json.dumps({
         "import_s": t_import - T_START, "device_init_s": t_device - t_import, "inputs_s": t_load0 - t_device,
         "load_s": t_loaded - t_load0, "load": prog.load_report,
-        "capture_s": t_captured - t_loaded, "warmup_s": warm["seconds"], "first_chunk_s": secs[0],
+        "capture_s": t_captured - t_loaded, "warmup_s": warm["seconds"], "capture_phases_s": _phases(warm),
+        "first_chunk_s": secs[0],
         "ttfc_from_start_s": t_first - T_START, "ttfc_from_load_s": t_first - t_load0,
         "ttfc_server_s": t_first - T_START - (t_load0 - t_device),  # from start, less the harness inputs
         "chunk_ms": [s * 1e3 for s in secs], "sha256": sha256_tensors(pcm),
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     example = [{**fresh[0], **state}[n] for n in names]
     warm = prog.warmup(*example)
     row["fresh_capture_s"] = warm["seconds"]
+    row["fresh_capture_phases_s"] = _phases(warm)
     pcm, secs = _stream(prog, names, dict(step.state), state, fresh, seed=7)
     row["fresh_sha256"] = sha256_tensors(pcm)
     row["fresh_chunk_ms"] = [s * 1e3 for s in secs]

@@ -278,6 +278,10 @@ class ClassReport:
     reason: str | None = None          # rejection reason when not admitted
     effect: str | None = None          # "pure" | "device_rng"
     capture_seconds: float = 0.0       # probe + warm-up + capture
+    # host seconds by phase: "probe" (the eager run that classifies effects, and its rewind),
+    # "stage_and_warmup" (static buffers loaded, warm-up runs queued), "capture" (the backend's capture,
+    # which waits for the device first: queued warm-up work lands here)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     graph_bytes: int = 0               # memory_reserved delta across capture (see module doc)
     staging_bytes: int = 0             # static input buffers this capture allocated (outside the graph pool;
                                        # 0 when they fit in the engine's shared StagingArena)
@@ -571,6 +575,7 @@ class ExactShapeReplay:
         self._restore(rng, tensors, saved, (mutated | set(self.aliased)) & set(saved), versions)
         if host_changed:
             return self._refuse(key, "host_randomness", permanent=True)
+        phases = {"probe": time.perf_counter() - start}
 
         static_args = list(args)
         stages: list[_Stage] = []
@@ -593,9 +598,11 @@ class ExactShapeReplay:
                 for _ in range(_WARMUP):
                     self.fn(*static_args)
                     self._rewind_rng(rng)
+            phases["stage_and_warmup"] = time.perf_counter() - start - phases["probe"]
             if self.pool is None:
                 self.pool = self.backend.new_pool()
             replay, outputs, graph_bytes = self.backend.capture(self.fn, static_args, self.pool)
+            phases["capture"] = time.perf_counter() - start - phases["probe"] - phases["stage_and_warmup"]
             self._restore(rng, static_tensors, saved, static_tensors, versions)
             static_outputs, rebuild = _flatten(outputs)
         except Exception as exc:
@@ -611,7 +618,7 @@ class ExactShapeReplay:
         owned = {_storage_ptr(args[i]) for i in self.aliased} - {0}
         report = ClassReport(
             key, True, effect="device_rng" if device_changed else "pure",
-            capture_seconds=time.perf_counter() - start, graph_bytes=graph_bytes,
+            capture_seconds=time.perf_counter() - start, phase_seconds=phases, graph_bytes=graph_bytes,
             staging_bytes=staging_bytes, staged_bytes=sum(_extent(t) * t.element_size() for _, t in staged),
             aliased_ptrs={i: args[i].data_ptr() for i in self.aliased},
             copy_back=tuple(sorted(i for i in mutated if i in staged_at)),

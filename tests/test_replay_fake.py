@@ -478,6 +478,9 @@ def test_engines_sharing_an_arena_stay_exact_and_hold_the_largest_class_only():
     assert e1.capture(*big).admitted and e2.capture(*small).admitted and e1.capture(*small).admitted
     reports = [*e1.classes.values(), *e2.classes.values()]
     assert arena.allocated == sum(r.staging_bytes for r in reports) == reports[0].staging_bytes
+    for r in reports:  # where each capture's time went, summed by the cold start benchmark
+        assert set(r.phase_seconds) == {"probe", "stage_and_warmup", "capture"}
+        assert all(v >= 0 for v in r.phase_seconds.values()) and sum(r.phase_seconds.values()) <= r.capture_seconds
     assert arena.allocated < sum(r.staged_bytes for r in reports)
     for k in range(4):
         for e, a in ((e1, big), (e2, small), (e1, small)):
