@@ -627,6 +627,8 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
     # where loading spends its time (benchmarks/cold_start.py reports it)
     prog.load_report = {"read_s": t_read - t0, "check_s": t_check - t_read, "place_s": t_place - t_check,
                         "build_s": t_end - t_place, "total_s": t_end - t0,
+                        # the rebuild: graphs decoded, their code generated, the rest lane assembly
+                        **{f"build_{k}": v for k, v in prog._build_seconds.items()},
                         "tensor_bytes": _storage_bytes(tensors)}
     return prog
 
@@ -765,6 +767,7 @@ class _LoadedProgram(OptimizedProgram):
         self._setup(contract, plan=_plan_dec(manifest["plan"]), names=list(manifest["names"]), sites=sites,
                     verify=False, replay=replay, state=bool(manifest["state_rule"]))
         self.load_report: dict[str, float] = {}
+        self._build_seconds = {"decode_s": 0.0, "codegen_s": 0.0}  # of the module rebuild, summed over programs
         self._assemble(lanes)
 
     def _progress_label(self) -> str:
@@ -822,7 +825,12 @@ class _LoadedProgram(OptimizedProgram):
         for m in p["modules"]:
             if "graph" in m:
                 gm = modules[m["path"]]
-                gm.graph = _graph_dec(m["graph"], self._map_device)  # generates and compiles its code once
+                t0 = time.perf_counter()
+                graph = _graph_dec(m["graph"], self._map_device)
+                t1 = time.perf_counter()
+                gm.graph = graph  # generates and compiles its code once
+                self._build_seconds["decode_s"] += t1 - t0
+                self._build_seconds["codegen_s"] += time.perf_counter() - t1
         root = modules[""]
         assert isinstance(root, GraphModule)
         for k, v in p["facts"].items():  # the passes' counts and notes, as optimize recorded them
