@@ -72,10 +72,10 @@ class CudaGraphBackend:
     def __init__(self, device: torch.device | int | None = None) -> None:
         self._device = device
         # One stream per device for every warm-up and capture: cuBLAS keeps a workspace per
-        # (handle, stream) for the process's life (32 MiB on Hopper), so a fresh stream per
-        # capture cost 32 MiB per graph (600 MiB for 30 step graphs), and a warm-up stream of its
-        # own one more workspace per program. Warm-up runs eagerly, fenced on both sides, and no
-        # graph replays on this stream, so sharing it with the captures is free. (Graphs captured
+        # (handle, stream) for the process's life, so a fresh stream per capture cost one workspace
+        # per graph, and a warm-up stream of its own one more per program (docs/design.md, Replay).
+        # Warm-up runs eagerly, fenced on both sides, and no graph replays on this stream, so
+        # sharing it with the captures is free. (Graphs captured
         # here use this stream's workspace when they replay: the replays of the programs given one
         # backend are serialized by exclusive(); lanes fork a backend of their own.)
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}

@@ -157,8 +157,8 @@ def shared_replay(device: torch.device | str) -> Any:
     """The ``replay=`` to optimize the three steps with: one CUDA graph backend for all of them.
 
     The steps of a frame run one after the other on one stream, so their captures can share one
-    stream, and with it one cuBLAS workspace. Each backend otherwise keeps a workspace of its own
-    (32 MiB on Hopper), which moshi's own graphs, all on torch's default capture stream, do not pay.
+    stream, and with it one cuBLAS workspace. Each backend otherwise keeps a workspace of its own,
+    which moshi's own graphs, all on torch's default capture stream, do not pay.
     Their replays are serialized by the backend (``CudaGraphBackend.exclusive``), so calls from several
     threads stay exact but do not overlap. Concurrent conversations that should run in parallel go
     through lanes (each lane forks a backend of its own). Off CUDA: ``"auto"`` (no replay)."""
