@@ -82,7 +82,7 @@ class CudaGraphBackend:
         self._pools: dict[int, object] = {}
         # what the graphs of one backend share (the capture stream's cuBLAS workspace, the pool, a lane's
         # staging arena) allows one replay at a time: see exclusive()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a replay inside a replay (a nested fake one) must not deadlock
         self._events: dict[torch.cuda.Stream, torch.cuda.Event] = {}
         self._after: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
 
@@ -219,7 +219,7 @@ class FakeBackend:
         self.captures = 0
         self.replays = 0
         self.fail_capture: Exception | None = None  # set to make the next captures raise
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a replay inside a replay (a nested fake one) must not deadlock
 
     def exclusive(self) -> AbstractContextManager[object]:
         """One replay at a time, as :meth:`CudaGraphBackend.exclusive` (on the CPU, host turns are all)."""
