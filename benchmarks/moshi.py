@@ -22,9 +22,7 @@ tokens). Cells:
 - ``E``       the exported steps as torch.export gives them (``ep.module()``), no cadence_fx: the program
               every optimized cell must equal, run against the stock code it was exported from;
 - ``Snh``     S with Mimi's encode and decode contracts hoisting nothing (``hoist_constants=False,
-              fold_weights=False``: weight norm and constant cones inline every call, as the stock code);
-- ``SRnh``    SR with the same Mimi contracts: its graphs recompute the codebooks each frame instead of
-              holding folded copies (memory against a few kernels per frame).
+              fold_weights=False``: weight norm and constant cones inline every call, as the stock code).
 
 Every cell runs with ``NO_TORCH_COMPILE=1``: moshi compiles its RMS norm, RoPE and gating kernels
 with ``torch.compile`` on CUDA by default, whose fused kernels differ from the eager ones in bits,
@@ -88,11 +86,7 @@ OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay=
              # says whether torch.export's program already does (then no pass is to blame)
              "E": dict(state=False, replay="off", exported=True),
              # S with Mimi's constants and weight-derived cones computed inline every call (no hoisting)
-             "Snh": dict(state=True, replay="off", mimi_hoist=False),
-             # SR with Mimi's codebooks recomputed inside its graphs every frame instead of folded once:
-             # folding keeps two resident copies (encode's and decode's) that eager only builds per call,
-             # a few small kernels per frame against memory held for the process's life
-             "SRnh": dict(state=True, replay="auto", mimi_hoist=False)}
+             "Snh": dict(state=True, replay="off", mimi_hoist=False)}
 STAGES = ("encode", "lm", "decode")
 SAMPLING_SEED = 1234
 AUDIO_SEED = 99
@@ -374,7 +368,7 @@ def _write_peak(args, device: str, name: str) -> None:
 
 
 def run_opt_cell(args, name: str) -> list[dict]:
-    """S, R, SR, Snh, SRnh: the exported steps through cadence_fx.optimize."""
+    """S, R, SR, Snh: the exported steps through cadence_fx.optimize."""
     import cadence_fx as cf
     from cadence_fx.adapters.streaming import export_step_catalog
 
