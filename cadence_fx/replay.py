@@ -75,9 +75,9 @@ class CudaGraphBackend:
         # (handle, stream) for the process's life, so a fresh stream per capture cost one workspace
         # per graph, and a warm-up stream of its own one more per program (docs/design.md, Replay).
         # Warm-up runs eagerly, fenced on both sides, and no graph replays on this stream, so
-        # sharing it with the captures is free. (Graphs captured
-        # here use this stream's workspace when they replay: the replays of the programs given one
-        # backend are serialized by exclusive(); lanes fork a backend of their own.)
+        # sharing it with the captures is free. (Graphs captured here use this stream's workspace
+        # when they replay: the replays of the programs given one backend are serialized by
+        # exclusive(); lanes fork a backend of their own.)
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
         self._pools: dict[int, object] = {}
         # what the graphs of one backend share (the capture stream's cuBLAS workspace, the pool, a lane's
