@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import networkx as nx
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
@@ -47,6 +46,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if not any(label.values()):
         return gm
     label = _segments(compute, label, tuple(ctx.contract.split_at))
+    import networkx as nx  # here, not at import: a program loaded from an artifact never partitions
     first: dict[str, int] = {}
     for i, n in enumerate(compute):
         if label[n] is not None:
