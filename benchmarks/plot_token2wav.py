@@ -14,11 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from harness import percentile  # noqa: E402  (the report's own median, so the plot shows its numbers)
+from harness import percentile  # the report's own median, so the plot shows its numbers
 
 ORDER = ("B0", "vendor", "vendor_live", "compile", "S", "R", "Rc", "SR", "SRc", "SRc1", "B0h", "SRch", "B0n", "SRcn")
 
@@ -44,6 +40,11 @@ def _cells(data: dict) -> list[dict]:
 
 
 def main(src: str, dst: str) -> None:
+    import matplotlib  # the bench extra (pyproject): only drawing needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     data = json.load(open(src))
     cells = _cells(data)
     labels = [f"{e['name']} (call {e['run'] + 1}" + ("" if e["name"] == e["baseline"] else f", vs {e['baseline']}") + ")"
