@@ -380,8 +380,8 @@ def gate(rows: Iterable[dict], baseline: str = BASELINE) -> list[dict]:
     base = {(r["name"], *_where(r)): r for r in cells if r["name"] in bases and "error" not in r}
     for r in cells:
         own = r.get("baseline", baseline)  # a cell of another dtype path is gated against that path's stock cell
-        run, _lane, block = _where(r)
-        b = base.get((own, *_where(r))) or next(  # the same run's other lane first, then any run's
+        run, lane, block = _where(r)
+        b = base.get((own, run, lane, block)) or next(  # the same run's other lane first, then any run's
             (v for (n, rn, _l, blk), v in sorted(base.items(), key=lambda kv: kv[0][1] != run)
              if n == own and blk == block), None)
         r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]

@@ -74,7 +74,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
-from cadence_fx.graph_utils import fetch_attr  # noqa: E402
 from cadence_fx.runtime.state import state_to  # noqa: E402
 
 STOCK_CELLS = ("B0", "B0h", "B0n", "vendor", "vendor_live", "compile")
@@ -342,9 +341,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
                                       step_segments=spec.get("step_segments", False))
     t0 = time.perf_counter()
     # the "step" routing installs both the CFM-loop and the estimator proxies: one export serves both clocks
-    eps, cached = _exported(args, f"{driver}-{'f16' if half else 'f32'}-{'hift' if hift else 'nohift'}", step, lambda: (
-        t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED),
-                                t2w.token2wav_contract(cfg, "step", driver=driver, vocoder=hift), granularity="step")))
+    eps = t2w.export_step_catalog(step, state0, step.fresh(3, spk, seed=EXPORT_SEED),
+                                  t2w.token2wav_contract(cfg, "step", driver=driver, vocoder=hift), granularity="step")
     export_s = time.perf_counter() - t0
     state0 = {k: v.cpu() for k, v in state0.items()}
     t0 = time.perf_counter()
@@ -400,7 +398,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     gate = {"baseline": HALF_BASELINE} if half else {"baseline": NEW_BASELINE} if not hift else {}
     on_host = frozenset(r.input for r in contract.regions) if spec["state"] else frozenset()
     rows = _blocks(args, name, fn, step, state0, spk, device, warm, counts, describe, on_host, lane=args.lane, **gate,
-                   export_s=export_s, export_cached=cached, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory,
+                   export_s=export_s, optimize_s=optimize_s, passes=prog.stats["passes"], memory=memory,
                    **({"vocoder": vocoder} if vocoder else {}))
     progs = {"": prog, **({f"vocoder.decode/finalize={f}/": p for f, p in decode.programs.items()} if decode else {})}
     reports = {prefix + k: [dict(admitted=r.admitted, reason=r.reason, effect=r.effect, graph_mib=r.graph_bytes / 2**20,
@@ -412,75 +410,6 @@ def run_opt_cell(args, name: str) -> list[dict]:
     if decode is not None:
         rows[-1]["vocoder"] = dict(vocoder, eager_signatures={str(k): n for k, n in decode.counters()["eager"].items()})
     return rows
-
-
-def _exported(args, key: str, step, export) -> tuple[list, bool]:
-    """The exported catalog: from ``--export-cache`` when an earlier cell of this machine saved it, else
-    ``export()`` (then saved there). Returns ``(programs, whether they came from the cache)``.
-
-    The export is the same for every optimized cell of one path (the cells differ in what ``optimize``
-    is asked to do), and at released sizes it takes longer than the cell's stream. A loaded program
-    holds its own copies of the weights; they are swapped for the step's own tensors (same names,
-    checked equal), so memory is what the exporting cell holds. Any failure to save or load falls back
-    to exporting: the cache can make a cell faster, never different (the SHA-256 gate still decides).
-    """
-    if not args.export_cache:
-        return export(), False
-    folder = Path(args.export_cache) / key
-    files = sorted(folder.glob("ep*.pt2")) if folder.is_dir() else []
-    if files:
-        try:
-            eps = [torch.export.load(str(f)) for f in files]
-            _adopt_step_tensors(eps, step)
-            return eps, True
-        except Exception as e:  # noqa: BLE001 - a cache that does not load is a cache miss
-            print(f"[export cache] {folder}: {type(e).__name__}: {e}; exporting", flush=True)
-    eps = export()
-    try:
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        for i, ep in enumerate(eps):
-            torch.export.save(ep, str(tmp / f"ep{i:02d}.pt2"))
-        if not folder.exists():
-            tmp.rename(folder)  # atomic: a lane side by side never sees half a catalog
-    except Exception as e:  # noqa: BLE001
-        print(f"[export cache] not saved: {type(e).__name__}: {e}", flush=True)
-    return eps, False
-
-
-def _adopt_step_tensors(eps: list, step) -> None:
-    """Point each loaded program's parameters and buffers at the step's own tensors (by name): weights
-    checked equal, buffers given the bytes the export left in them (as the exporting cell's are)."""
-    # names as exported carry the export-time proxies' ``upstream`` level (``flow.encoder.upstream.embed``);
-    # compared without it
-    def plain(name: str) -> str:
-        return ".".join(p for p in name.split(".") if p != "upstream")
-
-    own = {plain(n): t for n, t in [*step.named_parameters(), *step.named_buffers()]}
-    for ep in eps:
-        unmatched = 0
-        for table in (ep.state_dict, ep.constants):
-            for name, t in list(table.items()):
-                mine = own.get(plain(name))
-                if mine is None:  # a plain tensor attribute (a positional table), lifted as a constant
-                    mine = fetch_attr(step, plain(name))
-                    mine = mine if isinstance(mine, torch.Tensor) else None
-                if not isinstance(t, torch.Tensor) or mine is None:
-                    unmatched += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-                    continue
-                if mine.shape != t.shape or mine.dtype != t.dtype:
-                    raise ValueError(f"cached export's {name!r} is not shaped like the step's tensor")
-                if isinstance(mine, torch.nn.Parameter):
-                    if not torch.equal(mine.to(t.device), t):
-                        raise ValueError(f"cached export's weight {name!r} differs from the step's")
-                else:  # a buffer holds what the export's runs left in it (scratch): as the exporting cell's does
-                    # (the float16 step's casts made some buffers inference tensors: written only in that mode)
-                    with torch.inference_mode() if mine.is_inference() else torch.no_grad():
-                        mine.copy_(t)
-                table[name] = mine if not isinstance(t, torch.nn.Parameter) or isinstance(mine, torch.nn.Parameter) \
-                    else torch.nn.Parameter(mine, requires_grad=t.requires_grad)
-        if unmatched > 1 << 20:  # copies the step does not hold would sit in the cell's memory
-            raise ValueError(f"{unmatched} bytes of the cached export have no tensor of the step's by that name")
 
 
 def release_unreferenced(step, prog) -> int:
@@ -590,7 +519,7 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
-              "busy_ms", *harness.GAP_FIELDS, "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "process_s", "export_s", "export_cached", "optimize_s",
+              "busy_ms", *harness.GAP_FIELDS, "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "process_s", "export_s", "optimize_s",
               "memory", "capture_reports", "baseline", "vocoder")  # what the --json report keeps of each row
 
 
@@ -599,9 +528,6 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=24)
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU smoke run)")
     ap.add_argument("--memory-top", default=None, help="append the largest live blocks after warm-up to this file")
-    ap.add_argument("--export-cache", default=None,
-                    help="folder where the first optimized cell of a path saves its exported catalog and later "
-                         "cells load it (each cell still runs in its own process)")
     ap.add_argument("--memory-peak", default=None,
                     help="append what was live at the device peak of warm-up + the first block to this file")
     harness.add_flags(ap, cells="B0,vendor,vendor_live,compile,S,R,Rc,SR,SRc,SRc1", blocks=4)
@@ -615,8 +541,6 @@ def main() -> None:
         common += ["--memory-top", args.memory_top]
     if args.memory_peak:
         common += ["--memory-peak", args.memory_peak]
-    if args.export_cache:
-        common += ["--export-cache", args.export_cache]
     report(harness.collect(args, __file__, common, per_block=False), args)
 
 
@@ -624,7 +548,7 @@ def report(cells: list[dict], args) -> None:
     """Print the table and the per-cell summary of gated rows, save the JSON report."""
     lanes_agree = harness.baselines_agree(cells)
     env = next((r for r in cells if r.get("envelope")), {})
-    exp = next((r for r in cells if r.get("export_s") and not r.get("export_cached")), {})
+    exp = next((r for r in cells if r.get("export_s")), {})
     gpu = env.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     print(f"Token2Wav {'reduced' if args.reduced else 'released'} sizes, {args.blocks} blocks x {args.chunks} chunks, "
           f"{gpu}, torch {env.get('torch', torch.__version__)}, {date.today()}; baseline reproduces itself under the "

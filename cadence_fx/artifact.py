@@ -620,7 +620,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
     # a corrupted artifact still raises before any call, and the check costs no wall time of its own.
     with ThreadPoolExecutor(max_workers=1) as checker:
         verdict = checker.submit(_timed, _check_digests, path, tensors, manifest, workspaces) if check_weights else None
-        cpu_tensors, tensors = tensors, _place(tensors, manifest["tensors"], target)
+        tensors = _place(tensors, manifest["tensors"], target)  # the checker keeps the host copies it reads
         if target.type == "cuda":
             torch.cuda.synchronize(target)
         t_place = time.perf_counter()
@@ -628,7 +628,6 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
                               replay=replay, lanes=lanes)
         t_built = time.perf_counter()
         check_s = verdict.result() if verdict is not None else 0.0  # raises ArtifactError on a mismatch
-    del cpu_tensors
     t_end = time.perf_counter()
     # where loading spends its time (benchmarks/cold_start.py reports it)
     prog.load_report = {"read_s": t_read - t0, "check_s": check_s, "check_wait_s": t_end - t_built,

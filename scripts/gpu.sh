@@ -4,9 +4,6 @@
 #   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process
 #   LANES=2 scripts/gpu.sh cells B0,SRc/B0,S   two lanes side by side, one GPU each (nvidia-h200-x2)
 #   T2W_FLAGS="--memory-peak $OUT/mempeak.txt" scripts/gpu.sh cells B0,SRc   extra benchmarks/token2wav.py flags
-#   EXPORT_CACHE=/tmp/t2w-export scripts/gpu.sh cells ...   the first optimized cell of a path saves its
-#   exported catalog there and later cells on the machine load it (off by default: at released sizes
-#   torch.export.save of the catalog takes longer than the export it saves)
 #   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py)
 #   FRAMES=1000 scripts/gpu.sh moshi B0,vendor,S,R,SR   Moshi cells, each in a fresh process (benchmarks/moshi.py;
 #                                  needs moshi 0.2.13: its wheel in .whl/ or .upstream/moshi-0.2.13)
@@ -34,7 +31,7 @@ mkdir -p "$OUT"
 case "${1:-}" in
   tests) python3 -m pytest -q -m cuda tests/ -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu-tests.log" ;;
   cells) python3 benchmarks/token2wav.py --blocks 4 --chunks 24 --lanes "${LANES:-1}" --cells "$2" --rows "$OUT/rows.jsonl" \
-           ${EXPORT_CACHE:+--export-cache "$EXPORT_CACHE"} ${T2W_FLAGS:-} \
+           ${T2W_FLAGS:-} \
            --json "$OUT/token2wav-partial.json" 2>&1 | tee -a "$OUT/bench.log" ;;
   moshi) python3 benchmarks/moshi.py --frames "${FRAMES:-1000}" --cells "${2:-B0,vendor,S,R,SR}" ${MOSHI_FLAGS:-} \
            --rows "$OUT/moshi-rows.jsonl" --json "$OUT/moshi.json" 2>&1 | tee -a "$OUT/moshi.log" ;;

@@ -108,19 +108,31 @@ def test_only_written_arguments_are_snapshotted_by_capture():
             assert not phs[i].name.startswith(("p_", "c_")), phs[i].name
 
 
-def test_split_at_cuts_a_wrapped_loop_into_one_graph_per_step():
-    """Chunk clock with split_at the estimator: the solver loop is one wrapped callable in `steps`
-    segments (each step plus the glue after it), every segment replays, the stream is bit-exact."""
+def _demo_split_at_estimator():
+    """The demo decoder with its solver loop split at the estimator (one segment per step): its config,
+    model, contract, exported catalog, and the per-call inputs of a seeded stream."""
     import dataclasses
 
     from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
-    from tests.helpers import run_streams
 
     cfg = DemoConfig()
     torch.manual_seed(0)
     model = StreamingDecoder(cfg).eval()
     contract = dataclasses.replace(demo_contract(cfg), split_at=("solver.estimator",))
-    eps = export_catalog(model, contract)
+
+    def inputs(k, state):
+        g = torch.Generator().manual_seed(k)
+        return (torch.randn(1, cfg.chunk, cfg.dim, generator=g), *state, torch.randn(1, cfg.chunk, cfg.dim, generator=g))
+
+    return cfg, model, contract, export_catalog(model, contract), inputs
+
+
+def test_split_at_cuts_a_wrapped_loop_into_one_graph_per_step():
+    """Chunk clock with split_at the estimator: the solver loop is one wrapped callable in `steps`
+    segments (each step plus the glue after it), every segment replays, the stream is bit-exact."""
+    from tests.helpers import run_streams
+
+    cfg, model, contract, eps, inputs = _demo_split_at_estimator()
     prog = cf.optimize(eps, contract, replay=FakeBackend())
     for gm in prog.graph_modules():
         segments = [(n.meta[WRAPPED], n.meta[SEGMENT]) for n in gm.graph.nodes
@@ -135,11 +147,6 @@ def test_split_at_cuts_a_wrapped_loop_into_one_graph_per_step():
     state0 = list(model.initial_state())
     prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
     before = prog.counters()
-
-    def inputs(k, state):
-        g = torch.Generator().manual_seed(k)
-        return (torch.randn(1, cfg.chunk, cfg.dim, generator=g), *state, torch.randn(1, cfg.chunk, cfg.dim, generator=g))
-
     refs, opts, _ = run_streams(eps, prog, inputs, state0, {1: 1, 2: 2, 3: 3}, 6)
     for k, (r, o) in enumerate(zip(refs, opts)):
         for j, (a, b) in enumerate(zip(r, o)):
@@ -268,24 +275,12 @@ def test_a_lanes_engines_stage_into_one_shared_arena():
     """Without the state rule every argument of every replayed partition is staged. The engines of a
     lane replay one at a time, so they stage into one arena: the lane holds the largest class's
     staging rather than the sum over classes, and every call stays bit-exact."""
-    import dataclasses
-
-    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
     from tests.helpers import run_streams
 
-    cfg = DemoConfig()
-    torch.manual_seed(0)
-    model = StreamingDecoder(cfg).eval()
-    contract = dataclasses.replace(demo_contract(cfg), split_at=("solver.estimator",))
-    eps = export_catalog(model, contract)
+    cfg, model, contract, eps, inputs = _demo_split_at_estimator()
     prog = cf.optimize(eps, contract, replay=FakeBackend(), state=False)
     state0 = list(model.initial_state())
     prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
-
-    def inputs(k, state):
-        g = torch.Generator().manual_seed(k)
-        return (torch.randn(1, cfg.chunk, cfg.dim, generator=g), *state, torch.randn(1, cfg.chunk, cfg.dim, generator=g))
-
     refs, opts, _ = run_streams(eps, prog, inputs, state0, {1: 1, 2: 2, 3: 3}, 6)
     for k, (r, o) in enumerate(zip(refs, opts)):
         for j, (a, b) in enumerate(zip(r, o)):
