@@ -198,18 +198,36 @@ def write_memory_peak(path: str, name: str, top: int = 30) -> None:
                 best, best_live = now, dict(live)
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             now -= live.pop(ev["addr"])[0]
+    _write_groups(path, f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
+                        f"{len(best_live)} blocks ({len(trace)} events)", best_live.values(), top)
+
+
+def write_memory_live(path: str, name: str, top: int = 40) -> None:
+    """Every block live now, grouped by where it was allocated (recording must have begun before the
+    allocations of interest: blocks allocated before it carry no stack). Recording stays on."""
+    snap = torch.cuda.memory._snapshot()
+    dev = torch.cuda.current_device()
+    blocks = [(b["size"], b.get("frames", [])) for seg in snap["segments"] if seg["device"] == dev
+              for b in seg["blocks"] if b["state"] == "active_allocated"]
+    total = sum(size for size, _ in blocks)
+    _write_groups(path, f"== {name}: live {total / 2**20:.3f} MiB in {len(blocks)} blocks "
+                        f"(allocated {torch.cuda.memory_allocated() / 2**20:.3f} MiB)", blocks, top, precision=3)
+
+
+def _write_groups(path: str, title: str, blocks, top: int, precision: int = 1) -> None:
+    """Append ``title`` and the blocks (size, frames) grouped by the innermost frames of this project
+    and of the model, largest first."""
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, frames in best_live.values():
+    for size, frames in blocks:
         where = " <- ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
                             if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
         groups[where[:400]][0] += size
         groups[where[:400]][1] += 1
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
-                f"{len(best_live)} blocks ({len(trace)} events)\n")
+        f.write(title + "\n")
         for where, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
-            f.write(f"{size / 2**20:9.1f} MiB {n:5d} blocks  {where}\n")
+            f.write(f"{size / 2**20:{9 + precision}.{precision}f} MiB {n:5d} blocks  {where or '(no stack)'}\n")
 
 
 def peak_mib(reset: bool = False) -> float | None:

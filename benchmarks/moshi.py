@@ -112,11 +112,15 @@ def build(args, device: str):
     return mo, up, cfg, steps
 
 
-def _ready(device: str) -> None:
-    """The cell is built: drop garbage and start counting the peak."""
+def _ready(device: str, args=None, name: str = "") -> None:
+    """The cell is built: drop garbage and start counting the peak (``--memory-ready``: first write what
+    is live, by where it was allocated since the process began)."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+        if args is not None and args.memory_ready:
+            harness.write_memory_live(args.memory_ready, name)
+            torch.cuda.memory._record_memory_history(enabled=None)
         torch.cuda.reset_peak_memory_stats()
 
 
@@ -341,7 +345,7 @@ def run_stock_cell(args, name: str) -> list[dict]:
     if name == "B0":
         extra.update(envelope={k: str(v) for k, v in env.items()}, gpu=torch.cuda.get_device_name() if device == "cuda"
                      else "cpu", torch=torch.__version__, moshi=up.version)
-    _ready(device)
+    _ready(device, args, name)
     _record(args, device)
     with mo.upstream_eager(up, cuda_graph=graphed):
         res = stream(stages, pcm[:-1], steps.max_delay, device, probe)
@@ -401,7 +405,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     # call), plain inputs on the device; then the upstream objects' own copy of the state can go
     state = {s: _initial(getattr(steps, s), contracts[s], spec["state"], device) for s in STAGES}
     released = sum(getattr(steps, s).release_state() for s in STAGES)
-    _ready(device)
+    _ready(device, args, name)
     _record(args, device)
     t0 = time.perf_counter()
     for s in STAGES:
@@ -519,14 +523,20 @@ def main() -> None:
                     help="frames between digests of every written LM KV position (0: never; see lm_probe)")
     ap.add_argument("--memory-peak", default=None,
                     help="append what was live at each cell's device peak, grouped by where it was allocated")
+    ap.add_argument("--memory-ready", default=None,
+                    help="record allocations from each cell's start and append what is live when the cell is "
+                         "ready (built, exported, optimized: where its peak is counted from)")
     harness.add_flags(ap, cells="B0,vendor,S,R,SR", blocks=1)
     args = ap.parse_args()
     if args.one:
+        if args.memory_ready and torch.cuda.is_available():
+            harness.record_memory()  # before the model is built: every block live at the ready point has a stack
         cell = run_stock_cell if args.one in STOCK_CELLS else run_opt_cell
         harness.write_cell(args.out, cell(args, args.one))
         return
     common = ["--frames", str(args.frames), "--kv-full-every", str(args.kv_full_every)] + (
-        ["--reduced"] if args.reduced else []) + (["--memory-peak", args.memory_peak] if args.memory_peak else [])
+        ["--reduced"] if args.reduced else []) + (["--memory-peak", args.memory_peak] if args.memory_peak else []) + (
+        ["--memory-ready", args.memory_ready] if args.memory_ready else [])
     report(harness.collect(args, __file__, common, per_block=False), args)
 
 

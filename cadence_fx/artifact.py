@@ -605,7 +605,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
     payload = _read(Path(path))
     t_read = time.perf_counter()
     manifest = _manifest(payload)
-    target = _check_environment(manifest, device)
+    _check_build(manifest)  # before decoding: another torch's graphs may name operators this one lacks
     stored = _contract_dec(manifest["contract"])
     if contract is not None:
         _check_contract(manifest, stored, contract)
@@ -614,28 +614,83 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
     if not isinstance(tensors, list) or len(tensors) != len(manifest["tensors"]) \
             or len(workspaces) != len(manifest["workspaces"]):
         raise ArtifactError(f"cadence_fx.load: {path}: the tensor table does not match the manifest (corrupted)")
-    t_check = time.perf_counter()
-    # The digests are checked while the tensors are placed and the modules rebuilt (hashing releases
-    # the GIL; the rebuild is Python), and the verdict is awaited before the program is handed back:
-    # a corrupted artifact still raises before any call, and the check costs no wall time of its own.
-    with ThreadPoolExecutor(max_workers=1) as checker:
-        verdict = checker.submit(_timed, _check_digests, path, tensors, manifest, workspaces) if check_weights else None
+    planned = _planned_device(manifest, device)
+    # Three things overlap. The device's own start-up (driver and context: seconds on a large GPU) and
+    # the digest check (hashing releases the GIL) run on threads while this one decodes the graphs
+    # and generates their code, which needs no device: a restarted server waits for the longest,
+    # not the sum, as far as the device's start-up leaves the GIL free (load_report says). The verdict is
+    # awaited before the program is handed back: a corrupted artifact still raises before any call.
+    with ThreadPoolExecutor(max_workers=2) as helpers:
+        started = helpers.submit(_timed, _start_device, planned) if planned.type == "cuda" else None
+        verdict = helpers.submit(_timed, _check_digests, path, tensors, manifest, workspaces) if check_weights else None
+        prebuilt, build_seconds = _prebuild_modules(manifest, planned)
+        t_prebuilt = time.perf_counter()
+        device_init_s = started.result() if started is not None else 0.0
+        t_check = time.perf_counter()
+        target = _check_environment(manifest, device)
+        if target != planned:  # "cuda" without an index, resolved now: the device in the graphs differs
+            prebuilt, build_seconds = _prebuild_modules(manifest, target)
         tensors = _place(tensors, manifest["tensors"], target)  # the checker keeps the host copies it reads
         if target.type == "cuda":
             torch.cuda.synchronize(target)
         t_place = time.perf_counter()
         prog = _LoadedProgram(manifest, contract if contract is not None else stored, tensors, workspaces, target,
-                              replay=replay, lanes=lanes)
+                              replay=replay, lanes=lanes, prebuilt=prebuilt, build_seconds=build_seconds)
         t_built = time.perf_counter()
         check_s = verdict.result() if verdict is not None else 0.0  # raises ArtifactError on a mismatch
     t_end = time.perf_counter()
     # where loading spends its time (benchmarks/cold_start.py reports it)
-    prog.load_report = {"read_s": t_read - t0, "check_s": check_s, "check_wait_s": t_end - t_built,
+    prog.load_report = {"read_s": t_read - t0,
+                        # graphs decoded and their code generated, beside the device's start-up (its own
+                        # seconds; the wait is what it added after the graphs were ready)
+                        "prebuild_s": t_prebuilt - t_read, "device_init_s": device_init_s,
+                        "device_wait_s": t_check - t_prebuilt,
+                        "check_s": check_s, "check_wait_s": t_end - t_built,
                         "place_s": t_place - t_check, "build_s": t_built - t_place, "total_s": t_end - t0,
-                        # the rebuild: graphs decoded, their code generated, the rest lane assembly
                         **{f"build_{k}": v for k, v in prog._build_seconds.items()},
                         "tensor_bytes": _storage_bytes(tensors)}
     return prog
+
+
+def _planned_device(manifest: Mapping[str, Any], device: str | torch.device | None) -> torch.device:
+    """The device the program will go to, as far as it is known without asking the device
+    (:func:`_check_environment` decides, after the device has started)."""
+    dev = manifest["device"]
+    saved = torch.device(dev["type"], dev["index"]) if dev["type"] == "cuda" else torch.device(dev["type"])
+    target = saved if device is None else torch.device(device)
+    return torch.device("cuda", 0) if target.type == "cuda" and target.index is None else target
+
+
+def _start_device(device: torch.device) -> None:
+    """Create the device's context (the first allocation does), if this process has that device; a
+    missing device is reported by :func:`_check_environment`, with the artifact's words."""
+    if torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count():
+        torch.empty(1, device=device)
+
+
+def _prebuild_modules(manifest: Mapping[str, Any], target: torch.device
+                      ) -> tuple[dict[tuple[int, str], GraphModule], dict[str, float]]:
+    """Every stored graph decoded into a GraphModule with its code generated, attributes not yet set
+    (the program attaches the placed tensors); keyed by (program, module path)."""
+    saved = _planned_device(manifest, None)
+
+    def map_device(d: torch.device) -> torch.device:
+        return target if d.type == "cuda" and saved.type == "cuda" and (d.index or 0) == (saved.index or 0) else d
+
+    out: dict[tuple[int, str], GraphModule] = {}
+    seconds = {"decode_s": 0.0, "codegen_s": 0.0}
+    for i, p in enumerate(manifest["programs"]):
+        for m in p["modules"]:
+            if "graph" in m and "alias" not in m:
+                t0 = time.perf_counter()
+                graph = _graph_dec(m["graph"], map_device)
+                t1 = time.perf_counter()
+                gm = GraphModule(torch.nn.Module(), Graph())
+                gm.graph = graph  # generates and compiles its code once
+                seconds["decode_s"] += t1 - t0
+                seconds["codegen_s"] += time.perf_counter() - t1
+                out[(i, m["path"])] = gm
+    return out, seconds
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -663,14 +718,19 @@ def _manifest(payload: Mapping[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def _check_environment(manifest: Mapping[str, Any], device: str | torch.device | None) -> torch.device:
-    """The device to load on; ArtifactMismatch when the bits would not be this build's and device's."""
+def _check_build(manifest: Mapping[str, Any]) -> None:
+    """ArtifactMismatch when the artifact comes from another torch or CUDA build (asks no device)."""
     built = manifest["torch"], manifest["cuda"]
     if built != (torch.__version__, torch.version.cuda):
         raise ArtifactMismatch(
             f"cadence_fx.load: the artifact was built with torch {built[0]} (CUDA {built[1]}), this process runs "
             f"torch {torch.__version__} (CUDA {torch.version.cuda}); kernels and hence bits may differ: optimize "
             f"again under this torch and save")
+
+
+def _check_environment(manifest: Mapping[str, Any], device: str | torch.device | None) -> torch.device:
+    """The device to load on; ArtifactMismatch when the bits would not be this build's and device's."""
+    _check_build(manifest)
     dev = manifest["device"]
     saved = torch.device(dev["type"], dev["index"]) if dev["type"] == "cuda" else torch.device(dev["type"])
     target = saved if device is None else torch.device(device)
@@ -765,7 +825,8 @@ class _LoadedProgram(OptimizedProgram):
 
     def __init__(self, manifest: Mapping[str, Any], contract: Contract, tensors: list[torch.Tensor],
                  workspaces: list[torch.Tensor | None], device: torch.device, *, replay: Replay | Any,
-                 lanes: int) -> None:
+                 lanes: int, prebuilt: dict[tuple[int, str], GraphModule] | None = None,
+                 build_seconds: dict[str, float] | None = None) -> None:
         self._manifest = manifest
         self._tensors = tensors
         self._stored_workspaces = workspaces
@@ -779,7 +840,9 @@ class _LoadedProgram(OptimizedProgram):
         self._setup(contract, plan=_plan_dec(manifest["plan"]), names=list(manifest["names"]), sites=sites,
                     verify=False, replay=replay, state=bool(manifest["state_rule"]))
         self.load_report: dict[str, float] = {}
-        self._build_seconds = {"decode_s": 0.0, "codegen_s": 0.0}  # of the module rebuild, summed over programs
+        # graphs decoded ahead (the first lane's modules); a further lane decodes its own
+        self._prebuilt = dict(prebuilt or {})
+        self._build_seconds = dict(build_seconds or {"decode_s": 0.0, "codegen_s": 0.0})  # summed over programs
         self._assemble(lanes)
 
     def _progress_label(self) -> str:
@@ -815,11 +878,16 @@ class _LoadedProgram(OptimizedProgram):
             return ws_tables[key].tensor  # type: ignore[return-value]
 
         modules: dict[str, torch.nn.Module] = {}
+        prebuilt: set[str] = set()  # paths whose module came decoded from load's first pass
         for m in p["modules"]:
             if "alias" in m:
                 modules[m["path"]] = modules[m["alias"]]
                 continue
-            mod: torch.nn.Module = GraphModule(torch.nn.Module(), Graph()) if "graph" in m else torch.nn.Module()
+            ready = self._prebuilt.pop((index, m["path"]), None) if "graph" in m else None
+            mod: torch.nn.Module = ready if ready is not None else \
+                GraphModule(torch.nn.Module(), Graph()) if "graph" in m else torch.nn.Module()
+            if ready is not None:
+                prebuilt.add(m["path"])
             for name, kind, ref in m["attrs"]:
                 t = None if ref is None else tensor(ref)
                 if kind == "parameter":
@@ -835,7 +903,7 @@ class _LoadedProgram(OptimizedProgram):
                 parent, _, leaf = m["path"].rpartition(".")
                 modules[parent].add_module(leaf, mod)
         for m in p["modules"]:
-            if "graph" in m:
+            if "graph" in m and m["path"] not in prebuilt:
                 gm = modules[m["path"]]
                 t0 = time.perf_counter()
                 graph = _graph_dec(m["graph"], self._map_device)

@@ -393,7 +393,7 @@ def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object]
     writers: dict[object, list[Node]] = {}
     for n in graph.nodes:
         if is_mutating(n):
-            for w in _written_args(n):
+            for w in written_args(n):
                 if isinstance(w, Node):
                     root = storage_root(w)
                     writers.setdefault(aliases.get(root, root), []).append(n)
@@ -412,8 +412,13 @@ def state_bytes_written(graph: Graph, value: object, aliases: dict[Node, object]
             for w in writers.get(key, ()):  # everything written into this storage
                 if w not in counted:
                     counted.add(w)
-                    if is_out_op(w):  # arithmetic computed straight into the state: compute, not traffic
-                        continue
+                    if is_out_op(w):
+                        if overload_name(w) in _MOVES:  # a move straight into the state: its bytes, its sources
+                            val = _meta_val(w.kwargs["out"], cache)
+                            total += val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+                            for a in w.args:
+                                stack.extend(a if isinstance(a, (list, tuple)) else [a])
+                        continue  # otherwise arithmetic computed straight into the state: compute, not traffic
                     total += bytes_written(w, cache)
                     stack.extend(a for a in w.args[1:] if isinstance(a, Node))
         if root is not None and root.op == "call_function" and overload_name(root) in _MOVES and root not in counted:
@@ -472,14 +477,15 @@ def attribute_writes(gm: GraphModule) -> dict[str, bool]:
                 continue
             if n.op not in ("call_function", "output") or (n.op == "call_function" and (is_view(n) or _is_view_tuple(n))):
                 continue  # a view reads nothing: its users do, through view_root
-            dests = _written_args(n) if n.op == "call_function" else []
+            dests = written_args(n) if n.op == "call_function" else []
             for a in _flat_args(n):
                 t = target_of(a, env, prefix)
                 if t is None:
                     continue
                 if any(a is d for d in dests):
                     written.add(t)
-                    reads_dest = overload_name(n) not in _BLIND_WRITES or (
+                    # an ``out=`` op computes into its destination without reading it, as a copy does
+                    reads_dest = (overload_name(n) not in _BLIND_WRITES and not is_out_op(n)) or (
                         overload_name(n) == "scatter_" and "reduce" in n.kwargs)
                     if reads_dest and t not in first:
                         carried.add(t)
@@ -492,7 +498,7 @@ def attribute_writes(gm: GraphModule) -> dict[str, bool]:
     return {t: t in carried for t in written}
 
 
-def _written_args(n: Node) -> list[object]:
+def written_args(n: Node) -> list[object]:
     """The arguments an in-place or ``out=`` ATen op writes (its schema's write aliases)."""
     t = n.target
     if not isinstance(t, torch._ops.OpOverload) or not t._schema.is_mutable:

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - older or newer torch
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.bind_constants import bind_constants
 from cadence_fx.passes.carry_writeback import carry_writeback
+from cadence_fx.passes.cat_into_place import cat_into_place
 from cadence_fx.passes.envelope_state import envelope_state
 from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.inline_autocast import inline_autocast
@@ -38,6 +39,7 @@ PIPELINE = (
     envelope_state,       # a non-leading history kept in a workspace of its own -> kept in the region buffer
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
+    cat_into_place,       # copy_(dst, cat(fresh pieces)) -> cat(pieces, out=dst): one kernel, no temporary
     partition,            # one sub-GraphModule per wrapped invocation
     bind_constants,       # weights a partition only reads -> its own attributes, not per-call inputs
     mark_replay,          # wrapped partitions -> annotated with what they alias, read and write

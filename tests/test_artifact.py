@@ -125,6 +125,25 @@ def test_sessions_and_lanes_on_the_loaded_program(demo):
     _assert_same([got[1][3]], [[t.clone() for t in live_view(o, LIVE)]], "after restore")
 
 
+def test_each_graph_is_decoded_once_per_lane(demo, monkeypatch):
+    """load decodes every stored graph ahead (beside the device's start-up) and the first lane uses
+    those modules as they are: no graph is decoded twice for one lane."""
+    from cadence_fx import artifact
+
+    _model, _contract, _eps, _prog, path, _info = demo
+    calls = []
+    real = artifact._graph_dec
+    monkeypatch.setattr(artifact, "_graph_dec", lambda spec, dm: calls.append(1) or real(spec, dm))
+    one = cf.load(path, replay="off")
+    per_lane = len(calls)
+    assert per_lane >= len(one.graph_modules()) > 0
+    assert {"prebuild_s", "device_init_s", "device_wait_s"} <= set(one.load_report)
+    assert one.load_report["device_init_s"] == 0.0  # a CPU artifact starts no device
+    calls.clear()
+    cf.load(path, replay="off", lanes=2)
+    assert len(calls) == 2 * per_lane
+
+
 def test_altered_truncated_or_foreign_files_do_not_load(demo, tmp_path):
     _model, _contract, _eps, _prog, path, _info = demo
     data = path.read_bytes()
