@@ -587,7 +587,8 @@ class Run:
     def report(self) -> dict:
         return dict(command="python benchmarks/cadence.py " + " ".join(sys.argv[1:]), torch=torch.__version__,
                     device=self.device, date=time.strftime("%Y-%m-%d"), model=self.args.model, dtype=self.args.dtype,
-                    seconds=self.args.seconds, period_s=self.args.period, chunks_per_session=self.chunks,
+                    reduced=self.args.reduced, seconds=self.args.seconds, period_s=self.args.period,
+                    chunks_per_session=self.chunks,
                     scripts=self.args.scripts, warm_s=self.warm_s, solo_sha={str(k): v for k, v in self.solo.items()},
                     solo_gpu={str(k): v for k, v in self.solo_gpu.items()}, limits=limits(self.rows),
                     skipped=self.skipped, setup=self.meta, rows=self.rows)
@@ -630,6 +631,31 @@ class Run:
                                   default=None)
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"solo stock runs: {len(self.solo)} scripts x {self.chunks} chunks", file=sys.stderr, flush=True)
+
+    def adopt_solo(self, path: str) -> None:
+        """``--solo-from``: the solo digests of an earlier run's report, where every setting they depend
+        on is this run's (model, dtype, sizes, chunks, scripts, torch); the device is compared once this
+        run knows its own (:meth:`check_solo_device`). Anything else is an error, never a silent gate."""
+        rep = json.loads(Path(path).read_text())
+        a = self.args
+        want = dict(model=a.model, dtype=a.dtype, reduced=a.reduced, chunks_per_session=self.chunks,
+                    torch=torch.__version__)
+        diff = {k: (rep.get(k), v) for k, v in want.items() if rep.get(k) != v}
+        missing = [s for s in range(a.scripts) if str(s) not in (rep.get("solo_sha") or {})]
+        if diff or missing:
+            raise SystemExit(f"--solo-from {path}: its solo digests do not fit this run "
+                             f"({', '.join(f'{k}: report {r!r}, run {v!r}' for k, (r, v) in diff.items())}"
+                             f"{'; no digest for script(s) ' + str(missing) if missing else ''})")
+        self.solo = {s: rep["solo_sha"][str(s)] for s in range(a.scripts)}
+        self.solo_gpu = {s: int((rep.get("solo_gpu") or {}).get(str(s), 0)) for s in range(a.scripts)}
+        self.meta.update(solo_from=path, solo_device=rep.get("device"))
+        print(f"solo digests of {len(self.solo)} scripts from {path}", file=sys.stderr, flush=True)
+
+    def check_solo_device(self) -> None:
+        """Digests taken on another GPU model gate nothing here: a kernel choice may differ."""
+        theirs = self.meta.get("solo_device")
+        if theirs is not None and self.device is not None and theirs != self.device:
+            raise SystemExit(f"--solo-from: the solo digests were taken on a {theirs}, this run is on a {self.device}")
 
     # ------------------------------------------------------------------ SRc
     def start_workers(self, k: int) -> list[Worker]:
@@ -678,6 +704,7 @@ class Run:
         a = self.args
         ready = [w.receive() for w in workers]
         self.device = self.device or ready[0]["device"]
+        self.check_solo_device()
         self.meta["SRc"] = dict(workers=ready)
         self.warm(workers, gpus, sessions)
         for g in gpus:
@@ -763,6 +790,7 @@ class Run:
                                 error=(tmp / f"s{i}.err").read_text()[-3000:])
                 results.append(json.loads(f.read_text()))
         self.device = self.device or results[0]["device"]
+        self.check_solo_device()
         parts = []
         for gi in range(g):
             mine = [(i, r) for i, r in enumerate(results) if i % g == gi]
@@ -944,6 +972,9 @@ def main() -> None:
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="skip any N that would end later than this many seconds after the start (0: no limit)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    ap.add_argument("--solo-from", default=None,
+                    help="take the solo stock digests from an earlier run's --json report instead of running them "
+                         "again (the same model, dtype, sizes, chunks, scripts, torch and GPU model, else an error)")
     ap.add_argument("--model", default="token2wav", choices=("token2wav", "demo"),
                     help="demo: the small demo decoder, for CPU smoke tests of the process layout")
     ap.add_argument("--reduced", action="store_true", help="reduced Token2Wav sizes (CPU smoke run)")
@@ -971,12 +1002,15 @@ def main() -> None:
         raise SystemExit(f"--gpus {args.gpus}: only {len(run.visible)} GPU(s) visible")
     cells = [c for c in args.cells.split(",") if c]
     k = max(gpus)
-    solo = run.start_solo(k)
+    if args.solo_from:
+        run.adopt_solo(args.solo_from)
+    solo = None if args.solo_from else run.start_solo(k)
     # the SRc workers build beside the solo runs when SRc comes first; otherwise when its turn comes
     # (they hold their GPU's memory until the SRc cell is over)
     workers = run.start_workers(k) if cells[:1] == ["SRc"] else []
     try:
-        run.finish_solo(*solo)
+        if solo is not None:
+            run.finish_solo(*solo)
         for cell in cells:
             if cell == "SRc":
                 workers = workers or run.start_workers(k)

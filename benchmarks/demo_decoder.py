@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cadence_fx as cf  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
-from cadence_fx.determinism import pin_envelope  # noqa: E402
+from cadence_fx.determinism import describe_envelope, pin_envelope  # noqa: E402
 from cadence_fx.runtime.catalog import reference  # noqa: E402
 
 CELLS = {
@@ -39,7 +39,8 @@ CELLS = {
 def run_one(cell: str, calls: int, dim: int) -> dict:
     """One cell in this (fresh) process."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    envelope = pin_envelope()
+    pin_envelope()
+    envelope = describe_envelope()
     cfg = DemoConfig(dim=dim, chunk=50, prompt=302, head=302, tail=100, steps=10, slots=16, capacity=1000,
                      kernel=3)
     torch.manual_seed(0)

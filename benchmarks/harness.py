@@ -423,8 +423,12 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
         runs_of.setdefault(r["name"], set()).add(r.get("run", 0))
     summary: dict[str, dict] = {}
     base_of: dict[tuple[str, int], dict] = {}  # (baseline cell, run) -> its summary
-    for name, run in dict.fromkeys((r["name"], r.get("run", 0)) for r in rows):
-        key = name if len(runs_of[name]) == 1 else f"{name} (run {run})"
+    # baseline cells first, so a cell listed before its run's baseline still gets its speedup
+    order = list(dict.fromkeys((r["name"], r.get("run", 0)) for r in rows))  # the report keeps this order
+    bases = {r.get("baseline", baseline) for r in rows} | {baseline}
+    labels: dict[tuple[str, int], str] = {}
+    for name, run in sorted(order, key=lambda k: k[0] not in bases):
+        key = labels[(name, run)] = name if len(runs_of[name]) == 1 else f"{name} (run {run})"
         rs = [r for r in rows if r["name"] == name and r.get("run", 0) == run and "error" not in r]
         if not rs:
             summary[key] = dict(error=True)
@@ -449,7 +453,7 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
         if b0.get("peak_mib") and s["peak_mib"]:
             s["peak_vs_B0"] = s["peak_mib"] / b0["peak_mib"] - 1
         summary[key] = s
-    return summary
+    return {label: summary[label] for label in (labels[k] for k in order)}
 
 
 # --------------------------------------------------------------------------- the table

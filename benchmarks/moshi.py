@@ -77,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
+from cadence_fx.determinism import describe_envelope, pin_envelope, sha256_tensors  # noqa: E402
 
 STOCK_CELLS = ("B0", "B0b", "vendor")
 OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay="auto"),
@@ -325,7 +325,8 @@ def run_stock_cell(args, name: str) -> list[dict]:
     eager = name != "vendor"
     if eager:
         os.environ["NO_CUDA_GRAPH"] = "1"  # what the issue measured as eager; upstream_eager also disables it
-    env = pin_envelope()
+    pin_envelope()
+    env = describe_envelope()
     device = pick_device()
     mo, up, cfg, steps = build(args, device)
     pcm = mo.user_audio(args.frames + 1, seed=AUDIO_SEED, device=device)

@@ -73,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import harness  # noqa: E402
-from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
+from cadence_fx.determinism import describe_envelope, pin_envelope, sha256_tensors  # noqa: E402
 from cadence_fx.runtime.state import state_to  # noqa: E402
 
 STOCK_CELLS = ("B0", "B0h", "B0n", "vendor", "vendor_live", "compile")
@@ -276,7 +276,8 @@ def _blocks(args, name, fn, step, state0, spk, device, warm, counts=lambda: None
 
 
 def run_stock_cell(args, name: str) -> list[dict]:
-    env = pin_envelope()
+    pin_envelope()
+    env = describe_envelope()
     device = pick_device()
     half = name == HALF_BASELINE
     driver = "1.0.7" if name == NEW_BASELINE else "0.1.2"

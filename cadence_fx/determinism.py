@@ -38,20 +38,24 @@ class NotReproducibleError(RuntimeError):
 
 def pin_envelope(*, deterministic_algorithms: bool = False, cudnn_attention: bool = False) -> dict[str, object]:
     """Pin cuDNN to deterministic, non-benchmarked kernels, turn cuDNN's SDPA backend off (unless
-    ``cudnn_attention``) and return the envelope applied.
+    ``cudnn_attention``) and return the settings applied.
 
-    The returned dict also records the settings and versions that bound the envelope
-    (TF32 flags, library versions), so it can be printed next to a result.
+    Only settings: no device or library is touched, so a restarted server can pin the envelope before
+    ``cadence_fx.load`` starts the device on a thread of its own. :func:`describe_envelope` adds the
+    library versions and the device (which loads cuDNN and starts the device).
     """
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
-    torch.use_deterministic_algorithms(deterministic_algorithms)
-    return describe_envelope()
+    # the call imports more of torch (a second on a small CPU): made only when the state changes
+    if torch.are_deterministic_algorithms_enabled() != deterministic_algorithms \
+            or (deterministic_algorithms and torch.is_deterministic_algorithms_warn_only_enabled()):
+        torch.use_deterministic_algorithms(deterministic_algorithms)
+    return envelope_settings()
 
 
-def describe_envelope() -> dict[str, object]:
-    """The current envelope settings, without changing any."""
+def envelope_settings() -> dict[str, object]:
+    """The current envelope settings and build versions, read without touching a device or library."""
     fill = getattr(torch.utils, "deterministic", None)
     return {
         "cudnn.deterministic": torch.backends.cudnn.deterministic,
@@ -63,9 +67,15 @@ def describe_envelope() -> dict[str, object]:
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+
+
+def describe_envelope() -> dict[str, object]:
+    """The current envelope settings, the cuDNN version and the device, without changing any (to
+    print next to a result; loads cuDNN and starts the device)."""
+    return {**envelope_settings(),
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
 
 @contextmanager

@@ -4,7 +4,8 @@
 #   scripts/gpu.sh cells B0,SRc     benchmark cells, each in a fresh process
 #   LANES=2 scripts/gpu.sh cells B0,SRc/B0,S   two lanes side by side, one GPU each (nvidia-h200-x2)
 #   T2W_FLAGS="--memory-peak $OUT/mempeak.txt" scripts/gpu.sh cells B0,SRc   extra benchmarks/token2wav.py flags
-#   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py)
+#   scripts/gpu.sh cadence --sessions 8,16,32   conversations per GPU (benchmarks/cadence.py; --solo-from an
+#                                  earlier cadence.json reuses its solo stock digests instead of running them)
 #   FRAMES=1000 scripts/gpu.sh moshi B0,vendor,S,R,SR   Moshi cells, each in a fresh process (benchmarks/moshi.py;
 #                                  needs moshi 0.2.13: its wheel in .whl/ or .upstream/moshi-0.2.13)
 #   MOSHI_FLAGS="--memory-peak $OUT/moshi-peak.txt" FRAMES=100 scripts/gpu.sh moshi SR,vendor   what each peak holds

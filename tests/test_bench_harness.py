@@ -33,6 +33,14 @@ def test_a_run_without_any_baseline_falls_back_to_another_runs():
     assert [r["bitexact"] for r in gated if r["name"] == "S"] == [True, False]  # block 1 has no baseline at all
 
 
+def test_a_cell_listed_before_its_runs_baseline_still_gets_its_speedup():
+    # two processes of one device call, their rows concatenated cell by cell: the cell comes first
+    rows = harness.gate([_row("SRcn", "x", 90.0, run=0, baseline="B0n"), _row("B0n", "x", 450.0, run=0, baseline="B0n")])
+    summary = harness.summarize(rows)
+    assert list(summary) == ["SRcn", "B0n"]  # the report keeps the rows' order
+    assert summary["SRcn"]["speedup"] == 450.0 / 90.0
+
+
 def test_device_gaps_split_node_switches_from_host_waits():
     # kernels in µs: two back to back, a 2 µs switch, an overlap, then a 50 µs wait for the host
     ivs = [(10.0, 20.0), (20.0, 30.0), (32.0, 40.0), (35.0, 45.0), (95.0, 100.0)]

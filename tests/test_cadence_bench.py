@@ -128,6 +128,32 @@ def test_dtype_hook_fails_clearly_or_passes_through():
         assert kw in ({"float16": True}, {"dtype": __import__("torch").float16})
 
 
+def test_solo_digests_from_an_earlier_report_only_where_every_setting_fits(tmp_path):
+    import argparse
+
+    import torch
+
+    args = argparse.Namespace(model="token2wav", dtype="float16", reduced=False, scripts=2, seconds=60.0, period=1.0,
+                              warm_seconds=None)
+    good = dict(model="token2wav", dtype="float16", reduced=False, chunks_per_session=60, torch=torch.__version__,
+                device="NVIDIA H200", solo_sha={"0": "a", "1": "b"}, solo_gpu={"0": 0, "1": 1})
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(good))
+    run = cadence.Run(args)
+    run.adopt_solo(str(path))
+    assert run.solo == {0: "a", 1: "b"} and run.solo_gpu == {0: 0, 1: 1}
+    run.device = "NVIDIA H200"
+    run.check_solo_device()
+    run.device = "NVIDIA H100 80GB HBM3"
+    with pytest.raises(SystemExit, match="H200.*H100"):
+        run.check_solo_device()
+    for change, words in ((dict(dtype="float32"), "dtype"), (dict(chunks_per_session=30), "chunks_per_session"),
+                          (dict(reduced=True), "reduced"), (dict(solo_sha={"0": "a"}), r"script\(s\) \[1\]")):
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(SystemExit, match=words):
+            cadence.Run(args).adopt_solo(str(path))
+
+
 # --------------------------------------------------------------------------- the process layout
 def test_two_fake_gpus_one_process_each(tmp_path):
     out = tmp_path / "cadence.json"

@@ -97,8 +97,20 @@ def _fresh_root(node: Node) -> Node | None:
     return root if _allocates(root) else None
 
 
+# Composite ops whose every path computes a new tensor. Other composite ops may hand back an input
+# despite a schema without an alias annotation (``dropout`` in eval returns its input; ``type_as`` of
+# the same dtype too): their output is not taken as fresh.
+_COMPOSITE_ALLOCATING = frozenset({"linear", "layer_norm", "matmul", "conv1d", "conv2d", "conv_transpose1d",
+                                   "group_norm", "softmax", "log_softmax", "scaled_dot_product_attention"})
+
+
 def _allocates(node: Node) -> bool:
+    """Whether ``node``'s outputs are new memory: an ATen op whose schema returns no alias, with a
+    kernel of its own (not a composite that may return an input), or a composite known to allocate."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or is_mutating(node) or is_view(node):
         return False
-    return all(r.alias_info is None for r in t._schema.returns)
+    if not all(r.alias_info is None for r in t._schema.returns):
+        return False
+    composite = t.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd)
+    return not composite or overload_name(node) in _COMPOSITE_ALLOCATING
