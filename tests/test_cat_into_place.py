@@ -12,6 +12,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cadence_fx.contract import Contract
@@ -136,3 +138,70 @@ def test_a_fused_store_writes_the_destination_in_place():
     ptr = d.data_ptr()
     fused(d, *INPUTS[1:])
     assert d.data_ptr() == ptr and torch.equal(d, torch.cat([INPUTS[1] * 2, INPUTS[2] + 1], 1))
+
+
+# --------------------------------------------------------------------------- generated stores
+_FRESH_KINDS = ("fresh", "slice_of_fresh", "layer_norm")  # pieces the pass may take as new memory
+_KINDS = _FRESH_KINDS + ("input", "dst_view", "dropout_of_dst_view")
+
+
+@st.composite
+def stores(draw):
+    """A store ``dst.copy_(cat(pieces, dim))`` into a 3-D buffer: piece kinds, cat dim, destination
+    (the whole buffer or a window of it), and optionally an in-place write between the cat and the copy."""
+    dim = draw(st.integers(0, 2))
+    kinds = draw(st.lists(st.sampled_from(_KINDS), min_size=1, max_size=3))
+    sizes = [draw(st.integers(1, 3)) for _ in kinds]
+    extra = draw(st.integers(0, 3))  # buffer positions past the window along dim
+    offset = draw(st.integers(0, extra))
+    between = draw(st.sampled_from([None, "other", "piece"]))
+    return dim, kinds, sizes, extra, offset, between, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(stores())
+def test_generated_stores_fuse_exactly_when_provable(case):
+    dim, kinds, sizes, extra, offset, between, seed = case
+    base = [2, 3, 4]
+    total = sum(sizes)
+    d_shape = list(base)
+    d_shape[dim] = total + extra
+    x_shape = list(base)
+    x_shape[dim] = max(sizes) + 1
+    g = torch.Generator().manual_seed(seed)
+    inputs = (torch.randn(d_shape, generator=g), torch.randn(x_shape, generator=g), torch.randn(2, 2, generator=g))
+
+    def fn(d, x, other):
+        pieces, roots, at = [], [], 0
+        for kind, s in zip(kinds, sizes):
+            if kind == "fresh":
+                t = x.narrow(dim, 0, s) * 2
+                pieces.append(t)
+                roots.append(t)
+            elif kind == "slice_of_fresh":
+                u = x * 3
+                pieces.append(u.narrow(dim, 1, s))
+                roots.append(u)
+            elif kind == "layer_norm":
+                t = torch.nn.functional.layer_norm(x.narrow(dim, 0, s), (x.narrow(dim, 0, s).shape[-1],))
+                pieces.append(t)
+                roots.append(t)
+            elif kind == "input":
+                pieces.append(x.narrow(dim, 0, s))
+            else:  # a window of the buffer itself, possibly overlapping the destination
+                v = d.narrow(dim, at % (d.shape[dim] - s + 1), s)
+                pieces.append(torch.nn.functional.dropout(v, 0.5, training=False) if kind == "dropout_of_dst_view"
+                              else v)
+            at += s
+        c = torch.cat(pieces, dim)
+        if between == "other":
+            other.add_(1)
+        elif between == "piece" and roots:
+            roots[0].add_(1)
+        d.narrow(dim, offset, total).copy_(c)
+        return other * 1
+
+    provable = all(k in _FRESH_KINDS for k in kinds) and not (between == "piece")
+    stock, fused, count = _run_pass(fn, *inputs, pre_dispatch=True)
+    assert count == int(provable), (kinds, between)
+    _same(stock, fused, *inputs)
