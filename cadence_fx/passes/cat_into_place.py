@@ -10,9 +10,11 @@ Rewritten only where that is provable from the graph:
 - the cat has no other use than the copy;
 - ``dst`` has the cat's shape and dtype (a copy that broadcasts or converts stays);
 - no piece can share memory with ``dst``: every piece is (a view of) a tensor the graph computes
-  afresh, by an op whose schema returns no alias, and that tensor is not what ``dst`` views;
-- nothing between the cat and the copy writes in place (the pieces are read where the copy was).
-What is left is reported in the pass's count only; a graph without the pattern is unchanged.
+  afresh (an op whose schema returns no alias and that has a kernel of its own, or a composite known
+  to allocate: :func:`_allocates`), and that tensor is not what ``dst`` views;
+- no in-place write between the cat and the copy can reach a piece (the pieces are now read where
+  the copy was).
+The count of rewrites is the pass's stat; a graph without the pattern is unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.graph_utils import written_args, is_mutating, is_view, overload_name, view_root
+from cadence_fx.graph_utils import is_mutating, is_view, overload_name, view_root, written_args
 from cadence_fx.passes import PassContext
 
 _CAT_OUT = torch.ops.aten.cat.out
