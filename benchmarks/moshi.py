@@ -112,13 +112,13 @@ def build(args, device: str):
     return mo, up, cfg, steps
 
 
-def _ready(device: str, args=None, name: str = "") -> None:
+def _ready(device: str, args, name: str) -> None:
     """The cell is built: drop garbage and start counting the peak (``--memory-ready``: first write what
     is live, by where it was allocated since the process began)."""
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-        if args is not None and args.memory_ready:
+        if args.memory_ready:
             harness.write_memory_live(args.memory_ready, name)
             torch.cuda.memory._record_memory_history(enabled=None)
         torch.cuda.reset_peak_memory_stats()

@@ -652,13 +652,39 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
     return prog
 
 
+def _saved_device(manifest: Mapping[str, Any]) -> torch.device:
+    """The device the artifact was optimized on."""
+    dev = manifest["device"]
+    return torch.device(dev["type"], dev["index"]) if dev["type"] == "cuda" else torch.device(dev["type"])
+
+
 def _planned_device(manifest: Mapping[str, Any], device: str | torch.device | None) -> torch.device:
     """The device the program will go to, as far as it is known without asking the device
     (:func:`_check_environment` decides, after the device has started)."""
-    dev = manifest["device"]
-    saved = torch.device(dev["type"], dev["index"]) if dev["type"] == "cuda" else torch.device(dev["type"])
-    target = saved if device is None else torch.device(device)
+    target = _saved_device(manifest) if device is None else torch.device(device)
     return torch.device("cuda", 0) if target.type == "cuda" and target.index is None else target
+
+
+def _device_map(saved: torch.device, target: torch.device) -> Callable[[torch.device], torch.device]:
+    """Devices named in the stored graphs -> this process's: the saved CUDA device becomes ``target``."""
+    def map_device(d: torch.device) -> torch.device:
+        same = d.type == saved.type == "cuda" and (d.index or 0) == (saved.index or 0)
+        return target if same else d
+    return map_device
+
+
+def _decoded_module(spec: Mapping[str, Any], map_device: Callable[[torch.device], torch.device],
+                    seconds: dict[str, float]) -> GraphModule:
+    """A stored graph as a GraphModule with its code generated (attributes are attached by the
+    caller); the decoding and code generation seconds are added to ``seconds``."""
+    t0 = time.perf_counter()
+    graph = _graph_dec(spec, map_device)
+    t1 = time.perf_counter()
+    gm = GraphModule(torch.nn.Module(), Graph())
+    gm.graph = graph  # generates and compiles its code once
+    seconds["decode_s"] += t1 - t0
+    seconds["codegen_s"] += time.perf_counter() - t1
+    return gm
 
 
 def _start_device(device: torch.device) -> None:
@@ -672,24 +698,10 @@ def _prebuild_modules(manifest: Mapping[str, Any], target: torch.device
                       ) -> tuple[dict[tuple[int, str], GraphModule], dict[str, float]]:
     """Every stored graph decoded into a GraphModule with its code generated, attributes not yet set
     (the program attaches the placed tensors); keyed by (program, module path)."""
-    saved = _planned_device(manifest, None)
-
-    def map_device(d: torch.device) -> torch.device:
-        return target if d.type == "cuda" and saved.type == "cuda" and (d.index or 0) == (saved.index or 0) else d
-
-    out: dict[tuple[int, str], GraphModule] = {}
+    map_device = _device_map(_saved_device(manifest), target)
     seconds = {"decode_s": 0.0, "codegen_s": 0.0}
-    for i, p in enumerate(manifest["programs"]):
-        for m in p["modules"]:
-            if "graph" in m and "alias" not in m:
-                t0 = time.perf_counter()
-                graph = _graph_dec(m["graph"], map_device)
-                t1 = time.perf_counter()
-                gm = GraphModule(torch.nn.Module(), Graph())
-                gm.graph = graph  # generates and compiles its code once
-                seconds["decode_s"] += t1 - t0
-                seconds["codegen_s"] += time.perf_counter() - t1
-                out[(i, m["path"])] = gm
+    out = {(i, m["path"]): _decoded_module(m["graph"], map_device, seconds)
+           for i, p in enumerate(manifest["programs"]) for m in p["modules"] if "graph" in m and "alias" not in m}
     return out, seconds
 
 
@@ -729,10 +741,10 @@ def _check_build(manifest: Mapping[str, Any]) -> None:
 
 
 def _check_environment(manifest: Mapping[str, Any], device: str | torch.device | None) -> torch.device:
-    """The device to load on; ArtifactMismatch when the bits would not be this build's and device's."""
-    _check_build(manifest)
+    """The device to load on; ArtifactMismatch when the bits would not be this device's (the build is
+    checked first, by :func:`_check_build`)."""
     dev = manifest["device"]
-    saved = torch.device(dev["type"], dev["index"]) if dev["type"] == "cuda" else torch.device(dev["type"])
+    saved = _saved_device(manifest)
     target = saved if device is None else torch.device(device)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
@@ -831,9 +843,7 @@ class _LoadedProgram(OptimizedProgram):
         self._tensors = tensors
         self._stored_workspaces = workspaces
         self._device = device
-        saved = manifest["device"]
-        self._saved_device = torch.device(saved["type"], saved["index"]) if saved["type"] == "cuda" \
-            else torch.device(saved["type"])
+        self._map_device = _device_map(_saved_device(manifest), device)
         programs = manifest["programs"]
         sites = [{name: _site_dec(s, contract, device) for name, s in p["sites"].items()} for p in programs]
         self._admitted = [bool(p["admitted"]) for p in programs]
@@ -851,12 +861,6 @@ class _LoadedProgram(OptimizedProgram):
     def _admit(self, sites: dict[str, RegionSite], *, log_refusal: bool = True) -> bool:
         i = next(i for i, s in enumerate(self._sites) if s is sites)
         return self._admitted[i]
-
-    def _map_device(self, d: torch.device) -> torch.device:
-        if d.type == self._saved_device.type and (d.index or 0) == (self._saved_device.index or 0) \
-                and d.type == "cuda":
-            return self._device
-        return d
 
     def _rewrite(self, index: int, facts: ProgramFacts, tables: CatalogTables) -> tuple[tuple, GraphModule]:
         p = self._manifest["programs"][index]
@@ -878,16 +882,14 @@ class _LoadedProgram(OptimizedProgram):
             return ws_tables[key].tensor  # type: ignore[return-value]
 
         modules: dict[str, torch.nn.Module] = {}
-        prebuilt: set[str] = set()  # paths whose module came decoded from load's first pass
         for m in p["modules"]:
             if "alias" in m:
                 modules[m["path"]] = modules[m["alias"]]
                 continue
-            ready = self._prebuilt.pop((index, m["path"]), None) if "graph" in m else None
-            mod: torch.nn.Module = ready if ready is not None else \
-                GraphModule(torch.nn.Module(), Graph()) if "graph" in m else torch.nn.Module()
-            if ready is not None:
-                prebuilt.add(m["path"])
+            mod: torch.nn.Module | None = torch.nn.Module() if "graph" not in m else \
+                self._prebuilt.pop((index, m["path"]), None)  # the first lane's: decoded by load
+            if mod is None:  # a further lane decodes its own
+                mod = _decoded_module(m["graph"], self._map_device, self._build_seconds)
             for name, kind, ref in m["attrs"]:
                 t = None if ref is None else tensor(ref)
                 if kind == "parameter":
@@ -902,15 +904,6 @@ class _LoadedProgram(OptimizedProgram):
             if m["path"]:
                 parent, _, leaf = m["path"].rpartition(".")
                 modules[parent].add_module(leaf, mod)
-        for m in p["modules"]:
-            if "graph" in m and m["path"] not in prebuilt:
-                gm = modules[m["path"]]
-                t0 = time.perf_counter()
-                graph = _graph_dec(m["graph"], self._map_device)
-                t1 = time.perf_counter()
-                gm.graph = graph  # generates and compiles its code once
-                self._build_seconds["decode_s"] += t1 - t0
-                self._build_seconds["codegen_s"] += time.perf_counter() - t1
         root = modules[""]
         assert isinstance(root, GraphModule)
         for k, v in p["facts"].items():  # the passes' counts and notes, as optimize recorded them

@@ -39,8 +39,8 @@ def cat_into_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 or copy.kwargs.get("non_blocking"):
             continue
         dst, cat = copy.args
-        if not (isinstance(cat, Node) and isinstance(dst, Node) and overload_name(cat) == "cat"
-                and cat.target == torch.ops.aten.cat.default and len(cat.users) == 1):
+        if not (isinstance(cat, Node) and isinstance(dst, Node) and cat.target == torch.ops.aten.cat.default
+                and len(cat.users) == 1):
             continue
         if not _same_shape_and_dtype(dst, cat):
             continue
@@ -55,7 +55,7 @@ def cat_into_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         with graph.inserting_before(copy):
             out = graph.call_function(_CAT_OUT, (list(pieces), dim), {"out": dst})
-        out.meta.update({k: v for k, v in copy.meta.items()})
+        out.meta.update(copy.meta)
         copy.replace_all_uses_with(out)
         graph.erase_node(copy)
         graph.erase_node(cat)
