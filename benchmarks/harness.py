@@ -175,6 +175,17 @@ def device_gaps(device: Sequence[tuple[float, float]], host_start: float | None 
             "lead_ms": lead / 1e3}
 
 
+def release_library_workspaces() -> None:
+    """Free the cuBLAS workspaces cached per stream, before a cell is ready (nothing is captured yet, so no
+    graph holds one). An optimized cell exports in its own process, and the export's eager run leaves a
+    workspace on the default stream that its replays never use; a server loading a saved program
+    (``cf.load``) never makes it. The stock cells hold none at this point, so for them it is a no-op."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        clear()
+
+
 def record_memory() -> None:
     """Start recording device allocations with their Python stacks (read by :func:`write_memory_peak`)."""
     torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -190,16 +201,20 @@ def write_memory_peak(path: str, name: str, top: int = 30) -> None:
     live: dict[int, tuple[int, list]] = {}
     now = best = 0
     best_live: dict[int, tuple[int, list]] = {}
+    at: list = []
     for ev in trace:
         if ev["action"] == "alloc":
             live[ev["addr"]] = (ev["size"], ev.get("frames", []))
             now += ev["size"]
             if now > best:
-                best, best_live = now, dict(live)
+                best, best_live, at = now, dict(live), ev.get("frames", [])
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             now -= live.pop(ev["addr"])[0]
-    _write_groups(path, f"== {name}: peak of the recorded allocations {best / 2**20:.1f} MiB above the start, "
-                        f"{len(best_live)} blocks ({len(trace)} events)", best_live.values(), top)
+    _write_groups(path, f"== {name}: peak of the recorded allocations {best / 2**20:.3f} MiB above the start "
+                        f"({best} bytes), {len(best_live)} blocks ({len(trace)} events); "
+                        f"max_memory_allocated {torch.cuda.max_memory_allocated()} bytes; reached at "
+                        f"{_stack_where(at)}", best_live.values(), top, precision=3)
+    _write_blocks(path, name, "peak", best_live.values())
 
 
 def write_memory_live(path: str, name: str, top: int = 40) -> None:
@@ -211,7 +226,21 @@ def write_memory_live(path: str, name: str, top: int = 40) -> None:
               for b in seg["blocks"] if b["state"] == "active_allocated"]
     total = sum(size for size, _ in blocks)
     _write_groups(path, f"== {name}: live {total / 2**20:.3f} MiB in {len(blocks)} blocks "
-                        f"(allocated {torch.cuda.memory_allocated() / 2**20:.3f} MiB)", blocks, top, precision=3)
+                        f"(allocated {torch.cuda.memory_allocated()} bytes)", blocks, top, precision=3)
+    _write_blocks(path, name, "live", blocks)
+
+
+def _stack_where(frames: list) -> str:
+    """The innermost frames of this project and of the model, outermost last."""
+    return " <- ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
+                       if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
+
+
+def _write_blocks(path: str, name: str, what: str, blocks) -> None:
+    """Every block (bytes, where) as one JSON line next to ``path``, so two cells can be diffed exactly."""
+    with open(str(path) + ".jsonl", "a") as f:
+        f.write(json.dumps({"cell": name, "what": what, "blocks": [[size, _stack_where(fr)[:400]] for size, fr in blocks]})
+                + "\n")
 
 
 def _write_groups(path: str, title: str, blocks, top: int, precision: int = 1) -> None:
@@ -219,8 +248,7 @@ def _write_groups(path: str, title: str, blocks, top: int, precision: int = 1) -
     and of the model, largest first."""
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, frames in blocks:
-        where = " <- ".join(f"{fr['filename'].split('/')[-1]}:{fr['line']}:{fr['name']}" for fr in frames
-                            if fr["filename"].endswith(".py") and "torch/" not in fr["filename"])
+        where = _stack_where(frames)
         groups[where[:400]][0] += size
         groups[where[:400]][1] += 1
     Path(path).parent.mkdir(parents=True, exist_ok=True)

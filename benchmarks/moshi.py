@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -113,10 +114,12 @@ def build(args, device: str):
 
 
 def _ready(device: str, args, name: str) -> None:
-    """The cell is built: drop garbage and start counting the peak (``--memory-ready``: first write what
-    is live, by where it was allocated since the process began)."""
+    """The cell is built: drop garbage and the build's cached library workspaces, and start counting the
+    peak (``--memory-ready``: first write what is live, by where it was allocated since the process
+    began)."""
     gc.collect()
     if device == "cuda":
+        harness.release_library_workspaces()
         torch.cuda.empty_cache()
         if args.memory_ready:
             harness.write_memory_live(args.memory_ready, name)
@@ -167,6 +170,20 @@ def stream(stages: dict[str, Callable[[torch.Tensor], torch.Tensor]], pcm: list[
                 frame_tokens=[t.flatten().tolist() for t in tokens], tokens_shape=list(tokens[0].shape[:2]),
                 frame_pcm=[None if k < max_delay else sha256_tensors(next(pcm_at))[:PCM_DIGEST]
                            for k in range(len(tokens))], digests=digests)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied to a contiguous host tensor with no device temporary: a device ``.contiguous()`` (or
+    ``.cpu()`` of a strided view, which makes one) of every KV ring's written part would be the largest
+    allocation of the stream, and the cell's peak would count the harness's copies rather than the model.
+    The view is copied slab by slab, each slab a contiguous block of ``t``'s storage."""
+    if t.is_contiguous() or t.numel() == 0:
+        return t.to("cpu", copy=True).contiguous()
+    lead = next(k for k in range(t.dim() + 1) if t[(0,) * k].is_contiguous())
+    out = torch.empty(t.shape, dtype=t.dtype)
+    for idx in itertools.product(*map(range, t.shape[:lead])):
+        out[idx].copy_(t[idx])
+    return out
 
 
 def _digest(t: torch.Tensor | list[torch.Tensor], n: int = PCM_DIGEST) -> str:
@@ -222,7 +239,7 @@ def lm_probe(step, state_of: Callable[[], dict[str, torch.Tensor]], *, kv_full_e
         out["kv_layers"] = [_digest(t, LAYER_DIGEST) for t in host]
         out["kv_full"] = None
         if kv_full_every and (k + 1) % kv_full_every == 0:
-            out["kv_full"] = _digest([st[c].narrow(3, 0, min(int(st[e].max()), st[c].shape[3])).contiguous()
+            out["kv_full"] = _digest([host_copy(st[c].narrow(3, 0, min(int(st[e].max()), st[c].shape[3])))
                                       for c, e in kv])
         if stash is not None:
             out["text_logits"] = _digest(stash["text"]) if "text" in stash else None

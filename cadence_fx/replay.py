@@ -563,7 +563,10 @@ class ExactShapeReplay:
         versions = {i: _version(t) for i, t in tensors.items()}
         rng = (_host_rng(), self.backend.device_rng_get())
         try:
-            probe_out = self.fn(*args)
+            # on the capture stream, as the warm-up: a library (cuBLAS) keeps a workspace per stream it
+            # ran on, so a probe on the caller's stream would leave one more there that no replay uses
+            with self.backend.side_stream():
+                probe_out = self.fn(*args)
             host_changed = not _host_rng_equal(rng[0], _host_rng())
             device_changed = not torch.equal(rng[1], self.backend.device_rng_get())
             _flatten(probe_out)

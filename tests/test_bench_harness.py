@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+
+import torch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +69,15 @@ def test_plot_every_cell_gathers_each_cell_of_each_run(tmp_path):
     assert [(e["name"], e["run"]) for e in entries] == [("B0", 0), ("compile", 0), ("SRc", 0), ("B0h", 1), ("SRch", 1)]
     assert [e["exact"] for e in entries] == [True, False, True, True, True]
     assert [e["baseline"] for e in entries] == ["B0", "B0", "B0", "B0h", "B0h"]
+
+
+def test_host_copy_of_a_strided_view_is_its_contiguous_copy():
+    """The Moshi probe's host copy (slab by slab, no device temporary) gives the bytes ``.contiguous()``
+    gives, so the per-frame digests are those of earlier runs."""
+    from benchmarks.moshi import host_copy
+
+    ring = torch.arange(2 * 1 * 3 * 7 * 4, dtype=torch.float32).reshape(2, 1, 3, 7, 4)
+    for view in (ring.narrow(3, 0, 5), ring.narrow(3, 2, 0), ring, ring.transpose(3, 4), ring[:, :, 1:]):
+        got = host_copy(view)
+        assert got.is_contiguous() and torch.equal(got, view.contiguous())
+        assert got.untyped_storage().data_ptr() != ring.untyped_storage().data_ptr()

@@ -542,3 +542,40 @@ def test_threads_sharing_a_backend_take_turns_at_its_shared_buffers():
     finally:
         sys.setswitchinterval(old)
     assert not wrong and e1.counters.replays + e2.counters.replays == 600
+
+
+def test_warm_up_runs_every_eager_pass_of_a_capture_on_the_backend_stream():
+    """Probe, warm-up and capture all run inside the backend's side stream: a library that keeps a
+    workspace per stream (cuBLAS) then makes none on the caller's stream, which no replay would use."""
+
+    class Tracking(FakeBackend):
+        inside = 0
+
+        def side_stream(self):
+            backend = self
+
+            class _Ctx:
+                def __enter__(self):
+                    backend.inside += 1
+
+                def __exit__(self, *exc):
+                    backend.inside -= 1
+            return _Ctx()
+
+        def capture(self, fn, static_args, pool):
+            with self.side_stream():  # CudaGraphBackend captures on the same stream
+                return super().capture(fn, static_args, pool)
+
+    backend = Tracking()
+    where: list[int] = []
+
+    def fn(x):
+        where.append(backend.inside)
+        return x * 2
+
+    eng = ExactShapeReplay(fn, name="f", backend=backend)
+    eng.capture(torch.ones(3))
+    assert len(where) >= 3 and all(where), where  # probe, warm-up runs and the capture itself
+    n = len(where)
+    assert torch.equal(eng(torch.full((3,), 2.0)), torch.full((3,), 4.0))
+    assert eng.counters.replays == 1 and len(where) == n + 1  # the fake replay reruns fn
