@@ -282,23 +282,49 @@ def _profile(stages, x: torch.Tensor) -> dict[str, Any]:
 
     from torch.profiler import ProfilerActivity, profile
 
+    from torch.profiler import record_function
+
     harness.sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
-        tok = stages["lm"](stages["encode"](x))
-        stages["decode"](tok[:, 1:])
-        harness.sync()
+        # each stage synchronised, as in the timed stream, so its device work lies inside its host range
+        with record_function("stage:encode"):
+            codes = stages["encode"](x)
+            harness.sync()
+        with record_function("stage:lm"):
+            tok = stages["lm"](codes)
+            harness.sync()
+        with record_function("stage:decode"):
+            stages["decode"](tok[:, 1:])
+            harness.sync()
     launches = 0
     busy_us = 0.0
     names: Counter = Counter()
+    device: list[tuple[float, float]] = []
+    ranges: dict[str, tuple[float, float]] = {}
     for ev in prof.events():
         if ev.name in harness._LAUNCH_APIS:
             launches += 1
-        elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA and "Memcpy" not in ev.name \
-                and "Memset" not in ev.name:
-            names[ev.name] += 1
-            busy_us += ev.time_range.elapsed_us()
+        elif ev.name.startswith("stage:"):
+            ranges[ev.name[len("stage:"):]] = (ev.time_range.start, ev.time_range.end)
+        elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            device.append((ev.time_range.start, ev.time_range.end))
+            if "Memcpy" not in ev.name and "Memset" not in ev.name:
+                names[ev.name] += 1
+                busy_us += ev.time_range.elapsed_us()
     return {"launches": launches, "kernels": sum(names.values()), "busy_ms": busy_us / 1e3,
-            "kernel_names": dict(names)}
+            "kernel_names": dict(names), "stage_gaps": stage_gaps(device, ranges)}
+
+
+def stage_gaps(device: list[tuple[float, float]], ranges: dict[str, tuple[float, float]]) -> dict[str, dict]:
+    """Per stage of the profiled frame: where its wall time goes (``harness.device_gaps`` over the device
+    intervals that start inside the stage's host range: its span, node switches, waits for the host,
+    and the lead from the stage's call to its first device work), plus the stage's host ``wall_ms``."""
+    out = {}
+    for stage, (start, end) in ranges.items():
+        mine = [iv for iv in device if start <= iv[0] <= end]
+        gaps = harness.device_gaps(mine, start) if mine else {}
+        out[stage] = {"wall_ms": (end - start) / 1e3, **gaps}
+    return out
 
 
 def kernel_diff(row: dict, base: dict, top: int | None = None) -> dict[str, int] | None:
@@ -328,7 +354,8 @@ def _row(name: str, res: dict, prof: dict | None, warm: float, notes: str = "", 
                sha256=res["sha256"], sha256_tokens=res["sha256_tokens"], sha256_pcm=res["sha256_pcm"],
                first_tokens=res["first_tokens"], frames=len(ms["frame"]), notes=notes, ms=ms["frame"],
                frame_tokens=res["frame_tokens"], tokens_shape=res["tokens_shape"], frame_pcm=res["frame_pcm"],
-               kernel_names=prof.get("kernel_names"), digests=res.get("digests"), **extra)
+               kernel_names=prof.get("kernel_names"), stage_gaps=prof.get("stage_gaps"), digests=res.get("digests"),
+               **extra)
     for stage in STAGES:
         row[f"{stage}_p50_ms"] = harness.percentile(ms[stage], 50)
         row[f"{stage}_p95_ms"] = harness.percentile(ms[stage], 95)
@@ -528,7 +555,7 @@ def _state_info(prog, contract, state_rule: bool) -> dict:
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "encode_p50_ms", "encode_p95_ms", "lm_p50_ms",
               "lm_p95_ms", "decode_p50_ms", "decode_p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
               "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "divergence",
-              "digest_divergence", "kernel_diff", "kernel_names",
+              "digest_divergence", "kernel_diff", "kernel_names", "stage_gaps",
               "bitexact", "speedup", "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
               "released_stock_state_mib", "memory", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
 
@@ -560,6 +587,7 @@ def main() -> None:
 
 def report(cells: list[dict], args) -> None:
     """Print the table, the per-stage medians and the targets; save the JSON report."""
+    nan = float("nan")
     base = next((r for r in cells if r["name"] == harness.BASELINE and "error" not in r), {})
     gpu = base.get("gpu") or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     print(f"Moshi {'reduced' if args.reduced else 'released'} sizes, {args.frames} frames per cell, {gpu}, "
@@ -570,6 +598,11 @@ def report(cells: list[dict], args) -> None:
         if "error" not in r:
             print(f"{r['name']:<10}{r['lm_p50_ms']:>9.2f}{r['lm_p95_ms']:>9.2f}{r['encode_p50_ms']:>9.2f}"
                   f"{r['decode_p50_ms']:>9.2f}  {r['sha256_tokens'][:12]} / {r['sha256_pcm'][:12]}")
+    for r in cells:
+        for stage, g in ((r.get("stage_gaps") or {}) if "error" not in r else {}).items():
+            print(f"{r['name']:<10}{stage:<8} profiled: wall {g['wall_ms']:.2f} ms = lead {g.get('lead_ms', nan):.2f} "
+                  f"+ span {g.get('span_ms', nan):.2f} (node switches {g.get('short_gaps_ms', nan):.2f}, host waits "
+                  f"{g.get('host_gaps_ms', nan):.2f}) + tail")
     for r in cells:
         if "error" not in r and r["name"] != harness.BASELINE:
             r["divergence"] = divergence(r, base)

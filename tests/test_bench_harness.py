@@ -81,3 +81,19 @@ def test_host_copy_of_a_strided_view_is_its_contiguous_copy():
         got = host_copy(view)
         assert got.is_contiguous() and torch.equal(got, view.contiguous())
         assert got.untyped_storage().data_ptr() != ring.untyped_storage().data_ptr()
+
+
+def test_moshi_stage_gaps_split_each_stage_at_its_host_range():
+    """The Moshi profile's per-stage split: device work is assigned to the stage whose host range it starts
+    in; lead, node switches (< 5 µs) and waits for the host (longer) are counted within the stage only."""
+    from benchmarks.moshi import stage_gaps
+
+    device = [(110.0, 120.0), (122.0, 130.0), (150.0, 160.0),   # encode: lead 10, a 2 µs switch, a 20 µs wait
+              (205.0, 215.0), (216.0, 220.0)]                   # lm: lead 5, a 1 µs switch
+    got = stage_gaps(device, {"encode": (100.0, 170.0), "lm": (200.0, 230.0), "decode": (240.0, 250.0)})
+    enc, lm = got["encode"], got["lm"]
+    assert math.isclose(enc["lead_ms"], 0.010) and math.isclose(enc["short_gaps_ms"], 0.002)
+    assert math.isclose(enc["host_gaps_ms"], 0.020) and math.isclose(enc["span_ms"], 0.050)
+    assert math.isclose(lm["lead_ms"], 0.005) and math.isclose(lm["short_gaps_ms"], 0.001)
+    assert lm["host_gaps_ms"] == 0 and math.isclose(lm["wall_ms"], 0.030)
+    assert got["decode"] == {"wall_ms": 0.010}  # no device work in its range
