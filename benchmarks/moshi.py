@@ -48,7 +48,10 @@ per cell vs B0, the first frame each digest differs (for the KV entries: which l
 ms per frame (encode + LM + decode, each stage synchronised so its time is known) and of the LM step
 alone, peak MiB (``torch.cuda.max_memory_allocated`` from the moment the cell is ready to serve:
 weights, state, graph pools, warm-up included; building, export and optimize excluded, for every cell
-alike), kernels and host launches per frame (one extra profiled frame after the timed stream), and for
+alike, and so are the library workspaces the build cached, which a process that loads a saved program
+never makes; the KV digests copy to the host with no device temporary, so no harness copy is counted),
+kernels and host launches per frame (one extra profiled frame after the timed stream; each stage's wall
+time split into lead, node switches and host waits: ``stage_gaps``), and for
 the optimized cells export/optimize/warm-up seconds, replays and eager fallbacks, and the state the
 program owns (regions, MiB, regions written whole per call, state inputs used in place).
 
