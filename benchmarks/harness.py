@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -37,7 +37,7 @@ from cadence_fx.determinism import sha256_tensors
 
 __all__ = [
     "StreamResult", "add_flags", "append_rows", "baselines_agree", "collect", "count_launches", "gate", "lanes_of",
-    "peak_mib", "percentile", "profile_calls", "read_rows", "run_cells", "summarize", "sync", "table", "time_stream",
+    "peak_mib", "percentile", "profile_calls", "profile_events", "read_rows", "run_cells", "summarize", "sync", "table", "time_stream",
     "timed", "write_cell", "write_json",
 ]
 
@@ -135,9 +135,25 @@ def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
         for _ in range(calls):
             fn()
         sync()
-    launches = kernels = 0
+    ev = profile_events(prof)
+    out = {"launches": ev["launches"] / calls, "kernels": sum(ev["kernel_names"].values()) / calls,
+           "busy_ms": ev["busy_ms"] / calls}
+    if ev["device"]:
+        out.update({k: v / calls for k, v in device_gaps(ev["device"], ev["host_start"]).items()})
+    return out
+
+
+def profile_events(prof: Any, *, range_prefix: str | None = None) -> dict[str, Any]:
+    """One walk over a finished ``torch.profiler`` run: host launch API calls (``launches``), kernels by
+    whole name (``kernel_names``; copies and memsets are not kernels), their summed durations
+    (``busy_ms``), every device interval, copies included (``device``, for :func:`device_gaps`), the
+    first host event (``host_start``), and the host ranges of ``record_function`` blocks whose name
+    starts with ``range_prefix`` (``ranges``, keyed by the rest of the name)."""
+    launches = 0
     busy_us = 0.0
+    names: Counter = Counter()
     device: list[tuple[float, float]] = []
+    ranges: dict[str, tuple[float, float]] = {}
     host_start = None
     for ev in prof.events():
         if ev.name in _LAUNCH_APIS:
@@ -145,14 +161,15 @@ def profile_calls(fn: Callable[[], Any], *, calls: int = 1) -> dict[str, float]:
         if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
             device.append((ev.time_range.start, ev.time_range.end))
             if "Memcpy" not in ev.name and "Memset" not in ev.name:
-                kernels += 1
+                names[ev.name] += 1
                 busy_us += ev.time_range.elapsed_us()
-        elif host_start is None or ev.time_range.start < host_start:
+            continue
+        if host_start is None or ev.time_range.start < host_start:
             host_start = ev.time_range.start
-    out = {"launches": launches / calls, "kernels": kernels / calls, "busy_ms": busy_us / 1e3 / calls}
-    if device:
-        out.update({k: v / calls for k, v in device_gaps(device, host_start).items()})
-    return out
+        if range_prefix is not None and ev.name.startswith(range_prefix):
+            ranges[ev.name[len(range_prefix):]] = (ev.time_range.start, ev.time_range.end)
+    return {"launches": launches, "kernel_names": names, "busy_ms": busy_us / 1e3, "device": device,
+            "host_start": host_start, "ranges": ranges}
 
 
 def device_gaps(device: Sequence[tuple[float, float]], host_start: float | None = None) -> dict[str, float]:

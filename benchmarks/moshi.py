@@ -277,15 +277,12 @@ def stash_logits(gen) -> dict:
 def _profile(stages, x: torch.Tensor) -> dict[str, Any]:
     """Kernels and launches of one more frame, after the timed stream (so profiling distorts no timing),
     counted as ``harness.profile_calls`` counts them, and the frame's launches per kernel name, names whole
-    with their template arguments (``kernel_names``, to say which kernels a cell runs that B0 does not)."""
+    with their template arguments (``kernel_names``, to say which kernels a cell runs that B0 does not),
+    and where each stage's wall time goes (``stage_gaps``)."""
     nan = float("nan")
     if not torch.cuda.is_available():
         return {"launches": nan, "kernels": nan, "busy_ms": nan}
-    from collections import Counter
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from torch.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     harness.sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, torch.no_grad():
@@ -299,23 +296,9 @@ def _profile(stages, x: torch.Tensor) -> dict[str, Any]:
         with record_function("stage:decode"):
             stages["decode"](tok[:, 1:])
             harness.sync()
-    launches = 0
-    busy_us = 0.0
-    names: Counter = Counter()
-    device: list[tuple[float, float]] = []
-    ranges: dict[str, tuple[float, float]] = {}
-    for ev in prof.events():
-        if ev.name in harness._LAUNCH_APIS:
-            launches += 1
-        elif ev.name.startswith("stage:"):
-            ranges[ev.name[len("stage:"):]] = (ev.time_range.start, ev.time_range.end)
-        elif getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            device.append((ev.time_range.start, ev.time_range.end))
-            if "Memcpy" not in ev.name and "Memset" not in ev.name:
-                names[ev.name] += 1
-                busy_us += ev.time_range.elapsed_us()
-    return {"launches": launches, "kernels": sum(names.values()), "busy_ms": busy_us / 1e3,
-            "kernel_names": dict(names), "stage_gaps": stage_gaps(device, ranges)}
+    ev = harness.profile_events(prof, range_prefix="stage:")
+    return {"launches": ev["launches"], "kernels": sum(ev["kernel_names"].values()), "busy_ms": ev["busy_ms"],
+            "kernel_names": dict(ev["kernel_names"]), "stage_gaps": stage_gaps(ev["device"], ev["ranges"])}
 
 
 def stage_gaps(device: list[tuple[float, float]], ranges: dict[str, tuple[float, float]]) -> dict[str, dict]:

@@ -97,3 +97,22 @@ def test_moshi_stage_gaps_split_each_stage_at_its_host_range():
     assert math.isclose(lm["lead_ms"], 0.005) and math.isclose(lm["short_gaps_ms"], 0.001)
     assert lm["host_gaps_ms"] == 0 and math.isclose(lm["wall_ms"], 0.030)
     assert got["decode"] == {"wall_ms": 0.010}  # no device work in its range
+
+
+def test_profile_events_walks_launches_kernels_copies_and_ranges_once():
+    """The one walk both profilers share: copies are device time but not kernels, launches are counted by
+    API name, host ranges are found by prefix, and the first host event starts the lead."""
+    from types import SimpleNamespace as NS
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, dev, start, end):
+        return NS(name=name, device_type=dev, time_range=NS(start=start, end=end, elapsed_us=lambda: end - start))
+
+    prof = NS(events=lambda: [ev("stage:lm", cpu, 5.0, 90.0), ev("cudaGraphLaunch", cpu, 10.0, 12.0),
+                              ev("gemm", cuda, 20.0, 30.0), ev("gemm", cuda, 31.0, 41.0),
+                              ev("Memcpy HtoD", cuda, 42.0, 50.0), ev("other", cpu, 2.0, 3.0)])
+    got = harness.profile_events(prof, range_prefix="stage:")
+    assert got["launches"] == 1 and dict(got["kernel_names"]) == {"gemm": 2}
+    assert math.isclose(got["busy_ms"], 0.020) and len(got["device"]) == 3
+    assert got["ranges"] == {"lm": (5.0, 90.0)} and got["host_start"] == 2.0
