@@ -148,7 +148,8 @@ def profile_events(prof: Any, *, range_prefix: str | None = None) -> dict[str, A
     whole name (``kernel_names``; copies and memsets are not kernels), their summed durations
     (``busy_ms``), every device interval, copies included (``device``, for :func:`device_gaps`), the
     first host event (``host_start``), and the host ranges of ``record_function`` blocks whose name
-    starts with ``range_prefix`` (``ranges``, keyed by the rest of the name)."""
+    starts with ``range_prefix`` (``ranges``, keyed by the rest of the name; their device-side mirrors are
+    not device work)."""
     launches = 0
     busy_us = 0.0
     names: Counter = Counter()
@@ -159,6 +160,10 @@ def profile_events(prof: Any, *, range_prefix: str | None = None) -> dict[str, A
         if ev.name in _LAUNCH_APIS:
             launches += 1
         if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            # a record_function range is mirrored on the device timeline as an annotation spanning its
+            # work: not work itself (counted, it would fill every gap and double the busy time)
+            if getattr(ev, "is_user_annotation", False) or (range_prefix is not None and ev.name.startswith(range_prefix)):
+                continue
             device.append((ev.time_range.start, ev.time_range.end))
             if "Memcpy" not in ev.name and "Memset" not in ev.name:
                 names[ev.name] += 1

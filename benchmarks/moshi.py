@@ -19,6 +19,8 @@ tokens). Cells:
 - ``R``       replay only (one CUDA graph per step: the whole LM frame, sampling included; Mimi encode;
               Mimi decode), the state staged in and out of the graphs as plain inputs;
 - ``SR``      both rules: the graphs run on the region buffers, nothing staged;
+- ``SRb``     SR with each graph's independent chains captured on up to three parallel streams of the
+              graph (``CudaGraphBackend(branches=3)``, ``cadence_fx.branches``): the same kernels;
 - ``E``       the exported steps as torch.export gives them (``ep.module()``), no cadence_fx: the program
               every optimized cell must equal, run against the stock code it was exported from;
 - ``Snh``     S with Mimi's encode and decode contracts hoisting nothing (``hoist_constants=False,
@@ -86,6 +88,8 @@ from cadence_fx.determinism import describe_envelope, pin_envelope, sha256_tenso
 STOCK_CELLS = ("B0", "B0b", "vendor")
 OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay="auto"),
              "SR": dict(state=True, replay="auto"),
+             # SR with each graph's independent chains captured on up to three parallel streams
+             "SRb": dict(state=True, replay="auto", branches=3),
              # the exported steps run unmodified (``ep.module()``, no cadence_fx): where a cell parts from B0,
              # says whether torch.export's program already does (then no pass is to blame)
              "E": dict(state=False, replay="off", exported=True),
@@ -420,7 +424,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     export_s, optimize_s, progs = {}, {}, {}
     # the three programs run one after the other on one stream: one backend for them all, so their
     # captures share one stream and its cuBLAS workspace, as moshi's own graphs share torch's
-    replay = mo.shared_replay(device) if spec["replay"] == "auto" else spec["replay"]
+    replay = mo.shared_replay(device, branches=spec.get("branches", 1)) if spec["replay"] == "auto" else spec["replay"]
     for s in STAGES:
         step = getattr(steps, s)
         t0 = time.perf_counter()
@@ -468,7 +472,13 @@ def run_opt_cell(args, name: str) -> list[dict]:
                   for s in STAGES}
     notes = ", ".join(f"{s}: replays {c['replays']}, eager {c['eager']}" + (f" {c['rejections']}" if c["rejections"]
                                                                              else "") for s, c in counters.items())
+    plans = {s: [e.branch_plan for e in progs[s].runners().values() if getattr(e, "branch_plan", None) is not None]
+             for s in STAGES} if not spec.get("exported") else {}
+    branches = {s: dict(kernels=sum(p.kernels for p in ps), moved=sum(p.moved for p in ps),
+                        fences=sum(p.fences for p in ps), streams=max(p.streams for p in ps))
+                for s, ps in plans.items() if ps}
     return [_row(name, res, prof, warm, notes, lane=args.lane, export_s=export_s, optimize_s=optimize_s,
+                 branches=branches or None,
                  counters=counters, state=state_info, released_stock_state_mib=released / 2**20,
                  memory={s: {k: v / 2**20 for k, v in progs[s].memory_census().items()} for s in STAGES})]
 
@@ -543,7 +553,7 @@ ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "encode_p50_ms
               "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "divergence",
               "digest_divergence", "kernel_diff", "kernel_names", "stage_gaps",
               "bitexact", "speedup", "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
-              "released_stock_state_mib", "memory", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
+              "released_stock_state_mib", "memory", "branches", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
 
 
 def main() -> None:

@@ -22,6 +22,9 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
                  under float16 autocast, HiFT in float32): the baseline of the float16 path;
 - ``SRch``       ``SRc`` of the same float16 step (its autocast blocks lowered to explicit casts by the
                  ``inline_autocast`` pass), gated against ``B0h``.
+- ``SRcb``/``SRchb``  ``SRc``/``SRch`` captured with ``CudaGraphBackend(branches=3)``: each graph's independent
+                 chains (projections, rotary embeddings, parallel residual blocks) on up to three streams of
+                 the one graph (``cadence_fx.branches``); the same kernels, gated against ``B0``/``B0h``.
 - ``B0n``        the 1.0.7 driver as it ships (``minicpmo-utils-1.0.7``): the flow step with the 1.0.7 trims
                  (``Token2WavStep(flow, None, cfg, driver="1.0.7")``, ``driver_call``: no extra copies), then
                  its own ``BoundedVocoder`` on the chunk's mel, eagerly (``bounded_vocoder_stream``; a causal
@@ -92,6 +95,9 @@ OPT_CELLS = {
     # graph while the previous step's runs
     "SRc1": dict(state=True, replay="auto", granularity="chunk", step_segments=False),
     "SRch": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True),
+    # SRc / SRch with each graph's independent chains captured on parallel streams (cadence_fx.branches)
+    "SRcb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, branches=3),
+    "SRchb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True, branches=3),
     "SRcn": dict(state=True, replay="auto", granularity="chunk", step_segments=True, driver="1.0.7"),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
@@ -347,7 +353,12 @@ def run_opt_cell(args, name: str) -> list[dict]:
     export_s = time.perf_counter() - t0
     state0 = {k: v.cpu() for k, v in state0.items()}
     t0 = time.perf_counter()
-    prog = cf.optimize(eps, contract, replay=spec["replay"], state=spec["state"])
+    replay = spec["replay"]
+    if spec.get("branches", 1) > 1 and device == "cuda":
+        from cadence_fx.replay import CudaGraphBackend
+
+        replay = CudaGraphBackend(branches=spec["branches"])
+    prog = cf.optimize(eps, contract, replay=replay, state=spec["state"])
     optimize_s = time.perf_counter() - t0
     del eps
     released = release_unreferenced(step, prog)
@@ -408,6 +419,11 @@ def run_opt_cell(args, name: str) -> list[dict]:
                + [dict(refused=reason) for reason in set(eng.refusals().values())]
                for prefix, p in progs.items() for k, eng in p.runners().items()}
     rows[-1]["capture_reports"] = reports
+    plans = [e.branch_plan for p in progs.values() for e in p.runners().values() if e.branch_plan is not None]
+    if plans:  # the parallel-branch cells: how much of each graph left the capture stream
+        rows[-1]["branches"] = dict(graphs=len(plans), kernels=sum(p.kernels for p in plans),
+                                    moved=sum(p.moved for p in plans), fences=sum(p.fences for p in plans),
+                                    streams=max(p.streams for p in plans))
     if decode is not None:
         rows[-1]["vocoder"] = dict(vocoder, eager_signatures={str(k): n for k, n in decode.counters()["eager"].items()})
     return rows
@@ -521,7 +537,7 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
               "busy_ms", *harness.GAP_FIELDS, "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "process_s", "export_s", "optimize_s",
-              "memory", "capture_reports", "baseline", "vocoder")  # what the --json report keeps of each row
+              "memory", "capture_reports", "baseline", "vocoder", "branches")  # what the --json report keeps of each row
 
 
 def main() -> None:

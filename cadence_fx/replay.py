@@ -69,8 +69,13 @@ class CudaGraphBackend:
 
     device_type = "cuda"
 
-    def __init__(self, device: torch.device | int | None = None) -> None:
+    def __init__(self, device: torch.device | int | None = None, *, branches: int = 1) -> None:
+        """``branches`` > 1: a replayed partition's independent chains are captured on up to that many
+        parallel streams of its graph (:mod:`cadence_fx.branches`); 1 captures every kernel on one stream."""
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1, got {branches}")
         self._device = device
+        self.branches = branches
         # One stream per device for every warm-up and capture: cuBLAS keeps a workspace per
         # (handle, stream) for the process's life, so a fresh stream per capture cost one workspace
         # per graph, and a warm-up stream of its own one more per program (docs/design.md, Replay).
@@ -93,7 +98,24 @@ class CudaGraphBackend:
 
     def fork(self) -> "CudaGraphBackend":
         """A backend on the same device with a stream and a graph pool of its own (one per lane of sessions)."""
-        return CudaGraphBackend(self._device)
+        return CudaGraphBackend(self._device, branches=self.branches)
+
+    def captured_form(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """What warm-up and capture run for ``fn``: ``fn`` itself, or with ``branches`` > 1 and ``fn`` a
+        partition whose kernels can run in parallel, a :class:`~cadence_fx.branches.BranchedRun` of it on
+        the capture stream and this backend's branch streams (the same streams for every capture, so
+        each keeps one cuBLAS workspace, made in warm-up)."""
+        from torch.fx import GraphModule
+
+        from cadence_fx.branches import BranchedRun, plan_branches
+
+        if self.branches < 2 or not isinstance(fn, GraphModule):
+            return fn
+        plan = plan_branches(fn, self.branches)
+        if plan.streams < 2:
+            return fn
+        streams = [self._stream("capture")] + [self._stream(f"branch{k}") for k in range(1, plan.streams)]
+        return BranchedRun(fn, plan, streams)
 
     def streams(self) -> list[torch.cuda.Stream]:
         """The warm-up and capture streams created so far (one per device, shared by both)."""
@@ -437,6 +459,7 @@ class ExactShapeReplay:
         self.arena = arena
         self.name = name
         self.aliased = tuple(sorted(set(aliased)))
+        self._aliased_set = frozenset(self.aliased)
         self.backend: ReplayBackend = CudaGraphBackend() if backend is None else backend
         # a backend without the method (a user's own) gives no guarantee beyond one caller at a time
         self._exclusive: Callable[[], AbstractContextManager[object]] = getattr(self.backend, "exclusive", nullcontext)
@@ -452,6 +475,13 @@ class ExactShapeReplay:
         self._graphs: dict[Signature, _Graph] = {}
         self._refused: dict[Signature, str] = {}  # key -> reason calls with it run eager
         self._logged: set[tuple[str, Signature | None]] = set()
+        self._captured_fn: Callable[..., Any] | None = None
+
+    @property
+    def branch_plan(self) -> Any:
+        """The parallel-branch plan the captures use (:class:`cadence_fx.branches.BranchPlan`), or ``None``
+        (one stream, or nothing captured yet)."""
+        return getattr(self._captured_fn, "plan", None)
 
     # -- keying ---------------------------------------------------------------
 
@@ -463,33 +493,38 @@ class ExactShapeReplay:
         (kernel choice can depend on it) and the ambient numeric settings that
         change which kernels eager would run.
         """
-        if self.aliased and self.aliased[-1] >= len(args):
+        aliased = self._aliased_set
+        if aliased and self.aliased[-1] >= len(args):
             return None
+        # runs before every replay, once per argument (a Moshi LM step has a hundred): names are bound
+        # locally and the checks inlined, the key is the same
         parts: list[object] = [_ambient()]
+        append = parts.append
         storages: dict[int, int] = {}
+        strided = torch.strided
+        scalars_on_host = self.backend.device_type != "cpu"
         for i, a in enumerate(args):
             if type(a) in _TENSORS:
-                if a.layout is not torch.strided or a.is_conj() or a.is_neg() or a.is_quantized:
+                if a.layout is not strided or a.is_conj() or a.is_neg() or a.is_quantized:
                     return None
-                if self._host_scalar(a):
+                if scalars_on_host and a.dim() == 0 and a.device.type == "cpu":  # see _host_scalar
                     if a.requires_grad:
                         return None
-                    parts.append(("host_scalar", a.dtype, bytes(a.reshape(1).view(torch.uint8).tolist())))
+                    append(("host_scalar", a.dtype, bytes(a.reshape(1).view(torch.uint8).tolist())))
                     continue
                 # A staged copy would break aliasing with another argument, so refuse it.
-                sp = _storage_ptr(a)
-                if sp and sp in storages and (i not in self.aliased or storages[sp] not in self.aliased):
-                    return None
+                sp = a.untyped_storage().data_ptr()
                 if sp:
-                    storages.setdefault(sp, i)
-                parts.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
-                              a.data_ptr() % _ALIGN))
-            elif i in self.aliased:
+                    first = storages.setdefault(sp, i)
+                    if first != i and (i not in aliased or first not in aliased):
+                        return None
+                append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad, a.data_ptr() % _ALIGN))
+            elif i in aliased:
                 return None
             elif type(a) is float:
-                parts.append((float, struct.pack("<d", a)))  # exact bits: -0.0 and NaN differ from 0.0
+                append((float, struct.pack("<d", a)))  # exact bits: -0.0 and NaN differ from 0.0
             elif type(a) in _SCALARS:
-                parts.append((type(a), a))
+                append((type(a), a))
             else:
                 return None
         return tuple(parts)
@@ -597,14 +632,16 @@ class ExactShapeReplay:
             # warm-up and capture read whatever the buffers hold (values never change a capture), so
             # they are rewound once, after the capture.
             static_tensors = {i: static_args[i] for i in self.aliased if i in saved}
+            if self._captured_fn is None:  # the backend's form of fn (parallel branches), planned once
+                self._captured_fn = getattr(self.backend, "captured_form", lambda f: f)(self.fn)
             with self.backend.side_stream():
                 for _ in range(_WARMUP):
-                    self.fn(*static_args)
+                    self._captured_fn(*static_args)
                     self._rewind_rng(rng)
             phases["stage_and_warmup"] = time.perf_counter() - start - phases["probe"]
             if self.pool is None:
                 self.pool = self.backend.new_pool()
-            replay, outputs, graph_bytes = self.backend.capture(self.fn, static_args, self.pool)
+            replay, outputs, graph_bytes = self.backend.capture(self._captured_fn, static_args, self.pool)
             phases["capture"] = time.perf_counter() - start - phases["probe"] - phases["stage_and_warmup"]
             self._restore(rng, static_tensors, saved, static_tensors, versions)
             static_outputs, rebuild = _flatten(outputs)

@@ -101,7 +101,8 @@ def test_moshi_stage_gaps_split_each_stage_at_its_host_range():
 
 def test_profile_events_walks_launches_kernels_copies_and_ranges_once():
     """The one walk both profilers share: copies are device time but not kernels, launches are counted by
-    API name, host ranges are found by prefix, and the first host event starts the lead."""
+    API name, host ranges are found by prefix (their device-side annotations are not device work), and the
+    first host event starts the lead."""
     from types import SimpleNamespace as NS
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
@@ -111,7 +112,9 @@ def test_profile_events_walks_launches_kernels_copies_and_ranges_once():
 
     prof = NS(events=lambda: [ev("stage:lm", cpu, 5.0, 90.0), ev("cudaGraphLaunch", cpu, 10.0, 12.0),
                               ev("gemm", cuda, 20.0, 30.0), ev("gemm", cuda, 31.0, 41.0),
-                              ev("Memcpy HtoD", cuda, 42.0, 50.0), ev("other", cpu, 2.0, 3.0)])
+                              ev("Memcpy HtoD", cuda, 42.0, 50.0), ev("other", cpu, 2.0, 3.0),
+                              # the range's mirror on the device timeline (a gpu_user_annotation): not work
+                              ev("stage:lm", cuda, 19.0, 51.0)])
     got = harness.profile_events(prof, range_prefix="stage:")
     assert got["launches"] == 1 and dict(got["kernel_names"]) == {"gemm": 2}
     assert math.isclose(got["busy_ms"], 0.020) and len(got["device"]) == 3

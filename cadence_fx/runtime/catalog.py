@@ -37,7 +37,7 @@ def arg_key(a: Any) -> ArgKey:
     """What of one argument selects a program: shape and dtype of a tensor, type and value of a Python
     scalar (export bakes the value it saw into the program), the type of anything else."""
     if isinstance(a, torch.Tensor):
-        return ("T", tuple(int(s) for s in a.shape), a.dtype)
+        return ("T", tuple(a.shape), a.dtype)
     if type(a) in _VALUED:
         return ("S", type(a).__name__, a)
     return ("S", type(a).__name__)

@@ -153,7 +153,7 @@ def step_stream(steps: StreamSteps, programs: Mapping[str, Call], state: Mapping
     return frames
 
 
-def shared_replay(device: torch.device | str) -> Any:
+def shared_replay(device: torch.device | str, *, branches: int = 1) -> Any:
     """The ``replay=`` to optimize the three steps with: one CUDA graph backend for all of them.
 
     The steps of a frame run one after the other on one stream, so their captures can share one
@@ -161,12 +161,13 @@ def shared_replay(device: torch.device | str) -> Any:
     which moshi's own graphs, all on torch's default capture stream, do not pay.
     Their replays are serialized by the backend (``CudaGraphBackend.exclusive``), so calls from several
     threads stay exact but do not overlap. Concurrent conversations that should run in parallel go
-    through lanes (each lane forks a backend of its own). Off CUDA: ``"auto"`` (no replay)."""
+    through lanes (each lane forks a backend of its own). ``branches`` > 1: independent chains of each
+    graph on that many parallel streams (:mod:`cadence_fx.branches`). Off CUDA: ``"auto"`` (no replay)."""
     if torch.device(device).type != "cuda":
         return "auto"
     from cadence_fx.replay import CudaGraphBackend
 
-    return CudaGraphBackend(torch.device(device).index)
+    return CudaGraphBackend(torch.device(device).index, branches=branches)
 
 
 def user_audio(frames: int, *, batch_size: int = 1, frame_size: int = 1920, seed: int = 0,

@@ -1,0 +1,228 @@
+"""Independent chains of one replayed partition, captured on parallel streams of one CUDA graph.
+
+A captured graph runs its kernels in the order of the stream they were captured on, one after the
+other, even where the dataflow would let two run at once (the query, key and value projections of an
+attention layer and their rotary embeddings; the parallel residual blocks of a vocoder stage). At the
+sizes of a streaming step most kernels use a fraction of the GPU, so each waits for the previous one
+to finish and pays the switch between them.
+
+:func:`plan_branches` assigns every kernel of a partition to one of a few streams by list scheduling
+over the dataflow; :class:`BranchedRun` runs the partition with that assignment, each cross-stream
+dependency an event, so a capture records a graph whose independent chains are parallel branches.
+
+Exactness: every node runs the same op on the same operands as the stock program; only which kernels
+may overlap changes. Nothing that writes memory (an in-place op, an ``out=`` op, a call of a module or
+of a Python function), and nothing that draws from a generator, is moved off the capture stream: each
+such node is a fence, after everything launched before it and before everything launched after it,
+on every stream. So every read and write of state keeps the stock order. Between fences, nodes are
+pure ATen ops that only allocate their outputs; a tensor consumed on another stream than the one it
+was made on is ``record_stream``-ed there, so the allocator never hands its memory to a later kernel
+before its last reader is done.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from cadence_fx.graph_utils import is_mutating, is_out_op, is_random, is_view
+
+__all__ = ["BranchPlan", "BranchedRun", "plan_branches"]
+
+
+@dataclass
+class BranchPlan:
+    """Where each node of a partition runs: stream index (0: the capture stream) and what it waits for."""
+
+    streams: int                                   # streams the plan uses (1: nothing runs in parallel)
+    stream_of: dict[Node, int] = field(default_factory=dict)
+    waits: dict[Node, tuple[Node, ...]] = field(default_factory=dict)   # kernels on other streams, in order
+    recorded: set[Node] = field(default_factory=set)   # nodes some other stream waits for (an event each)
+    fences: int = 0
+    kernels: int = 0
+    moved: int = 0                                  # kernels placed off the capture stream
+
+
+# ops that only make a view: no kernel, whatever the strides (``reshape``, ``contiguous``, ``flatten`` and
+# ``to`` alias their input only when they can, else copy: they are scheduled as kernels)
+_VIEWS = frozenset(f"aten::{name}" for name in (
+    "view", "_unsafe_view", "as_strided", "slice", "select", "narrow", "unsqueeze", "squeeze", "permute",
+    "transpose", "t", "expand", "expand_as", "view_as", "alias", "diagonal", "unfold", "split", "split_with_sizes",
+    "chunk", "unbind", "detach", "movedim", "unflatten", "swapaxes", "swapdims", "view_as_real", "view_as_complex"))
+
+
+def _alias(n: Node) -> bool:
+    """Runs no kernel: a view of its input, or one element of a multi-output op's result."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return True
+    return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in _VIEWS and is_view(n)
+
+
+def _pure(n: Node) -> bool:
+    """An ATen op that only reads its operands and allocates its result: free to run on any stream."""
+    t = n.target
+    return (n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and not is_mutating(n)
+            and not is_out_op(n) and not is_random(n))
+
+
+def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
+    """Assign the kernels of ``gm`` to at most ``max_streams`` streams (greedy list scheduling, one unit
+    of time per kernel): each kernel goes to the stream where it can start earliest, ties broken toward
+    the stream of its own operands (no wait) and then the capture stream."""
+    plan = BranchPlan(streams=1)
+    if max_streams < 2:
+        return plan
+    source: dict[Node, frozenset[Node]] = {}   # node -> the kernel nodes whose outputs it is (views follow)
+    finish: dict[Node, int] = {}
+    free = [0] * max_streams                      # when each stream's last kernel ends
+    tail: list[Node | None] = [None] * max_streams
+    fence: Node | None = None
+    fence_time = 0
+    waited: list[dict[int, int]] = [dict() for _ in range(max_streams)]  # stream -> {other: position waited}
+    position: dict[Node, int] = {}                # a kernel's index on its stream
+    count = [0] * max_streams
+    used = {0}
+
+    def producers(n: Node) -> frozenset[Node]:
+        out: set[Node] = set()
+        for a in n.all_input_nodes:
+            out |= source.get(a, frozenset())
+        return frozenset(out)
+
+    def place(n: Node, s: int, deps: frozenset[Node], extra: Sequence[Node] = ()) -> None:
+        need = []
+        for p in sorted(set(deps) | set(extra), key=lambda p: (finish[p], position[p])):
+            ps = plan.stream_of[p]
+            if ps != s and waited[s].get(ps, -1) < position[p]:
+                need.append(p)
+                waited[s][ps] = position[p]
+                plan.recorded.add(p)
+        if need:
+            plan.waits[n] = tuple(need)
+        plan.stream_of[n] = s
+        position[n] = count[s]
+        count[s] += 1
+        tail[s] = n
+        used.add(s)
+
+    out_node = None
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            source[n] = frozenset()
+            continue
+        if n.op == "output":
+            out_node = n
+            break
+        if _alias(n):
+            source[n] = producers(n)
+            continue
+        deps = producers(n)
+        if _pure(n):
+            plan.kernels += 1
+            ready = max([finish[p] for p in deps] + [fence_time])
+            own = {plan.stream_of[p] for p in deps}
+            s = min(range(max_streams), key=lambda k: (max(ready, free[k]), k not in own, k != 0, k))
+            # after a fence, a side stream's first kernel waits for it (place skips what is already ordered)
+            place(n, s, deps, [fence] if fence is not None else [])
+            finish[n] = max(ready, free[s]) + 1
+            free[s] = finish[n]
+            plan.moved += s != 0
+        else:
+            # a fence: on the capture stream, after every other stream's last kernel
+            plan.fences += 1
+            place(n, 0, deps, [t for k, t in enumerate(tail) if k != 0 and t is not None])
+            fence_time = max(free) + 1
+            finish[n] = fence_time
+            free = [fence_time] * max_streams
+            fence = n
+        source[n] = frozenset({n})
+    if out_node is not None:
+        # every stream joins the capture stream: a capture must end on the stream it began on
+        place_join = [t for k, t in enumerate(tail) if k != 0 and t is not None]
+        need = tuple(t for t in place_join if waited[0].get(plan.stream_of[t], -1) < position[t])
+        if need:
+            plan.waits[out_node] = need
+            plan.recorded.update(need)
+    plan.streams = max(used) + 1
+    return plan
+
+
+class BranchedRun:
+    """Calls ``gm`` with the plan's streams (eagerly in warm-up, recorded inside a capture): same
+    signature and results as ``gm(*args)``. ``streams[0]`` must be the current stream when called; the
+    others are the backend's own, one per branch, kept for the process (cuBLAS keeps a workspace per
+    stream it ran on, made in warm-up, before any capture)."""
+
+    def __init__(self, gm: GraphModule, plan: BranchPlan, streams: Sequence[Any]) -> None:
+        self.gm = gm
+        self.plan = plan
+        self.streams = list(streams)
+
+    def __call__(self, *args: Any) -> Any:
+        return _Interpreter(self.gm, self.plan, self.streams).run(*args)
+
+
+class _Interpreter(Interpreter):
+    def __init__(self, gm: GraphModule, plan: BranchPlan, streams: list[Any]) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.plan = plan
+        self.side = streams
+        self.events: dict[Node, Any] = {}
+        self.made_on: dict[int, int] = {}  # storage this run allocated -> the stream index it was allocated on
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        main = torch.cuda.current_stream()
+        if main != self.side[0]:
+            raise RuntimeError("a branched run starts on the stream its plan's stream 0 is")
+        fork = torch.cuda.Event()
+        fork.record(main)
+        for s in self.side[1:self.plan.streams]:
+            s.wait_event(fork)  # inside a capture: the side streams join it here
+        return super().run(*args, **kwargs)
+
+    def run_node(self, n: Node) -> Any:
+        if n.op in ("placeholder", "get_attr") or n not in self.plan.stream_of and n.op != "output":
+            return super().run_node(n)  # views and sources: no kernel, whichever stream is current
+        k = self.plan.stream_of.get(n, 0)
+        stream = self.side[k]
+        for p in self.plan.waits.get(n, ()):
+            stream.wait_event(self.events[p])
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        read = {}
+        for t in _tensors((args, kwargs)):
+            ptr = t.untyped_storage().data_ptr()
+            read[ptr] = t
+            made = self.made_on.get(ptr)
+            if made is not None and made != k:
+                t.record_stream(stream)  # its memory is not reused before this stream's read of it is done
+        with torch.cuda.stream(stream):
+            out = getattr(self, n.op)(n.target, args, kwargs)
+        for t in _tensors(out):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr not in read:  # allocated by this node, on this stream (views of operands are not)
+                self.made_on[ptr] = k
+        if n in self.plan.recorded:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self.events[n] = ev
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return out
