@@ -375,7 +375,12 @@ def run_worker(args) -> None:
     eps = bench.export()
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    prog = cf.optimize(eps, bench.contract, lanes=args.lanes)
+    replay: object = "auto"
+    if device == "cuda" and args.branches > 1:  # each lane forks the backend, branches included
+        from cadence_fx.replay import CudaGraphBackend
+
+        replay = CudaGraphBackend(branches=args.branches)
+    prog = cf.optimize(eps, bench.contract, lanes=args.lanes, replay=replay)
     optimize_s = time.perf_counter() - t0
     del eps
     release_unreferenced(bench.step, prog)
@@ -660,7 +665,8 @@ class Run:
     # ------------------------------------------------------------------ SRc
     def start_workers(self, k: int) -> list[Worker]:
         a = self.args
-        common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window)]
+        common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
+                  "--branches", str(a.branches)]
         return [Worker(g, [sys.executable, __file__, "--worker", str(g)] + common + _passthrough(a),
                        child_env(self.visible, g)) for g in range(k)]
 
@@ -726,7 +732,8 @@ class Run:
                     parts = [w.receive() for w in grp]
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
-                    row.update(nvml.result(), lanes=a.lanes, join_live=a.join_live, gpu_ids=[w.g for w in grp],
+                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, join_live=a.join_live,
+                               gpu_ids=[w.g for w in grp],
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
                                repeat=rep_i if len(batch) > 1 else None,
                                per_session_mib=next((p["per_session_mib"] for p in parts if p["per_session_mib"]),
@@ -953,6 +960,9 @@ def main() -> None:
                          "shorter only for smoke runs)")
     ap.add_argument("--lanes", type=int, default=4, help="lanes of the SRc program, per GPU")
     ap.add_argument("--workers", type=int, default=0, help="serving threads per GPU (default: one per lane)")
+    ap.add_argument("--branches", type=int, default=1,
+                    help="SRc: streams per captured graph (CudaGraphBackend(branches=N): independent chains in "
+                         "parallel; 1: one stream)")
     ap.add_argument("--scripts", type=int, default=4)
     ap.add_argument("--full-sweep", action="store_true", help="keep sweeping N after the first misses")
     ap.add_argument("--pack", action="store_true",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import subprocess
@@ -206,6 +207,24 @@ def release_library_workspaces() -> None:
     if clear is not None and torch.cuda.is_available():
         torch.cuda.synchronize()
         clear()
+
+
+def library_warnings(limit: int = 20, width: int = 600) -> list[str]:
+    """Start keeping the warnings ``cadence_fx`` logs in this process (a capture refused, with its error;
+    a class invalidated); returns the list they are appended to (the first ``limit``, each cut to
+    ``width`` characters), for the cell's row: a cell's process is gone when the report is printed."""
+    kept: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if len(kept) < limit:
+                kept.append(record.getMessage()[:width])
+
+    logger = logging.getLogger("cadence_fx")
+    logger.addHandler(_Keep(level=logging.WARNING))
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    return kept
 
 
 def record_memory() -> None:

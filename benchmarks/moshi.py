@@ -414,6 +414,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     pin_envelope()
     spec = OPT_CELLS[name]
     device = pick_device()
+    warnings = harness.library_warnings()  # a refused capture's error, kept in the row
     mo, up, cfg, steps = build(args, device)
     pcm = mo.user_audio(args.frames + 1, seed=AUDIO_SEED, device=device)
     examples = steps.examples()
@@ -478,7 +479,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
                         fences=sum(p.fences for p in ps), streams=max(p.streams for p in ps))
                 for s, ps in plans.items() if ps}
     return [_row(name, res, prof, warm, notes, lane=args.lane, export_s=export_s, optimize_s=optimize_s,
-                 branches=branches or None,
+                 branches=branches or None, library_warnings=warnings,
                  counters=counters, state=state_info, released_stock_state_mib=released / 2**20,
                  memory={s: {k: v / 2**20 for k, v in progs[s].memory_census().items()} for s in STAGES})]
 
@@ -553,7 +554,7 @@ ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "encode_p50_ms
               "busy_ms", "warmup_s", "sha256", "sha256_tokens", "sha256_pcm", "first_tokens", "divergence",
               "digest_divergence", "kernel_diff", "kernel_names", "stage_gaps",
               "bitexact", "speedup", "frames", "notes", "ms", "error", "export_s", "optimize_s", "counters", "state",
-              "released_stock_state_mib", "memory", "branches", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
+              "released_stock_state_mib", "memory", "branches", "library_warnings", "first_frames_ms", "envelope", "gpu", "torch", "moshi")
 
 
 def main() -> None:
@@ -599,6 +600,9 @@ def report(cells: list[dict], args) -> None:
             print(f"{r['name']:<10}{stage:<8} profiled: wall {g['wall_ms']:.2f} ms = lead {g.get('lead_ms', nan):.2f} "
                   f"+ span {g.get('span_ms', nan):.2f} (node switches {g.get('short_gaps_ms', nan):.2f}, host waits "
                   f"{g.get('host_gaps_ms', nan):.2f}) + tail")
+    for r in cells:
+        for line in (r.get("library_warnings") or [])[:3]:  # a refused capture says why here
+            print(f"{r['name']:<10}cadence_fx: {line[:300]}")
     for r in cells:
         if "error" not in r and r["name"] != harness.BASELINE:
             r["divergence"] = divergence(r, base)

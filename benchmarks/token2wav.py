@@ -339,6 +339,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     pin_envelope()
     spec = OPT_CELLS[name]
     device = pick_device()
+    warnings = harness.library_warnings()  # a refused capture's error, kept in the row
     half = spec.get("float16", False)
     driver = spec.get("driver", "0.1.2")
     hift = driver == "0.1.2"  # 1.0.7: no vocoder in the step (its BoundedVocoder runs after it)
@@ -419,6 +420,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
                + [dict(refused=reason) for reason in set(eng.refusals().values())]
                for prefix, p in progs.items() for k, eng in p.runners().items()}
     rows[-1]["capture_reports"] = reports
+    rows[-1]["library_warnings"] = warnings
     plans = [e.branch_plan for p in progs.values() for e in p.runners().values() if e.branch_plan is not None]
     if plans:  # the parallel-branch cells: how much of each graph left the capture stream
         rows[-1]["branches"] = dict(graphs=len(plans), kernels=sum(p.kernels for p in plans),
@@ -537,7 +539,8 @@ def _rebucket_vendor(step, state0: dict, spk, device: str) -> None:
 # --------------------------------------------------------------------------- driver
 ROW_FIELDS = ("name", "run", "block", "lane", "p50_ms", "p95_ms", "peak_mib", "kernels_per_chunk", "launches_per_chunk",
               "busy_ms", *harness.GAP_FIELDS, "warmup_s", "sha256", "bitexact", "speedup", "notes", "ms", "error", "process_s", "export_s", "optimize_s",
-              "memory", "capture_reports", "baseline", "vocoder", "branches")  # what the --json report keeps of each row
+              "memory", "capture_reports", "baseline", "vocoder", "branches",
+              "library_warnings")  # what the --json report keeps of each row
 
 
 def main() -> None:
@@ -572,6 +575,9 @@ def report(cells: list[dict], args) -> None:
           f"envelope: {env.get('reproducible')}; lanes' B0 bytes agree: {lanes_agree}; export of the catalog: "
           f"{exp.get('export_s', float('nan')):.1f} s")
     print(harness.table(cells))
+    for r in cells:
+        for line in (r.get("library_warnings") or [])[:3]:  # a refused capture says why here
+            print(f"{r['name']:<10}cadence_fx: {line[:300]}")
     summary = harness.summarize(cells)
     print("per-cell medians over blocks (speedup only where every block is bit-exact):")
     print(json.dumps(summary, indent=1))

@@ -38,7 +38,8 @@ __all__ = ["BranchPlan", "BranchedRun", "plan_branches"]
 class BranchPlan:
     """Where each node of a partition runs: stream index (0: the capture stream) and what it waits for."""
 
-    streams: int                                   # streams the plan uses (1: nothing runs in parallel)
+    streams: int                                   # streams the plan spans (1: nothing runs in parallel)
+    used: tuple[int, ...] = (0,)                   # the streams with work: only these fork and join
     stream_of: dict[Node, int] = field(default_factory=dict)
     waits: dict[Node, tuple[Node, ...]] = field(default_factory=dict)   # kernels on other streams, in order
     recorded: set[Node] = field(default_factory=set)   # nodes some other stream waits for (an event each)
@@ -150,6 +151,7 @@ def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
             plan.waits[out_node] = need
             plan.recorded.update(need)
     plan.streams = max(used) + 1
+    plan.used = tuple(sorted(used))
     return plan
 
 
@@ -182,8 +184,9 @@ class _Interpreter(Interpreter):
             raise RuntimeError("a branched run starts on the stream its plan's stream 0 is")
         fork = torch.cuda.Event()
         fork.record(main)
-        for s in self.side[1:self.plan.streams]:
-            s.wait_event(fork)  # inside a capture: the side streams join it here
+        for k in self.plan.used:
+            if k:  # inside a capture a side stream joins it here; one with no work must not (it would never rejoin)
+                self.side[k].wait_event(fork)
         return super().run(*args, **kwargs)
 
     def run_node(self, n: Node) -> Any:
@@ -199,13 +202,13 @@ class _Interpreter(Interpreter):
             ptr = t.untyped_storage().data_ptr()
             read[ptr] = t
             made = self.made_on.get(ptr)
-            if made is not None and made != k:
+            if made is not None and made != k and t.is_cuda:  # host tensors have no streams
                 t.record_stream(stream)  # its memory is not reused before this stream's read of it is done
         with torch.cuda.stream(stream):
             out = getattr(self, n.op)(n.target, args, kwargs)
         for t in _tensors(out):
             ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr not in read:  # allocated by this node, on this stream (views of operands are not)
+            if ptr and ptr not in read and t.is_cuda:  # allocated by this node, on this stream (views of operands are not)
                 self.made_on[ptr] = k
         if n in self.plan.recorded:
             ev = torch.cuda.Event()

@@ -119,3 +119,22 @@ def test_profile_events_walks_launches_kernels_copies_and_ranges_once():
     assert got["launches"] == 1 and dict(got["kernel_names"]) == {"gemm": 2}
     assert math.isclose(got["busy_ms"], 0.020) and len(got["device"]) == 3
     assert got["ranges"] == {"lm": (5.0, 90.0)} and got["host_start"] == 2.0
+
+
+def test_library_warnings_keeps_what_cadence_fx_logs_for_the_cell_row():
+    """A refused capture's error reaches the cell's row (the cell's process is gone when the report is
+    printed): cadence_fx's warnings are kept, cut and counted; other loggers' are not."""
+    import logging
+
+    logger = logging.getLogger("cadence_fx")
+    handlers, level = list(logger.handlers), logger.level
+    try:
+        kept = harness.library_warnings(limit=2, width=12)
+        for i in range(3):
+            logging.getLogger("cadence_fx.replay").warning("L__self__: eager (capture_failed) %d", i)
+        logging.getLogger("elsewhere").warning("not ours")
+        logging.getLogger("cadence_fx.replay").info("not a warning")
+        assert kept == ["L__self__: e", "L__self__: e"]
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)

@@ -56,6 +56,8 @@ def check_plan(gm, plan) -> None:
         if n.op == "output":
             for k in range(streams):
                 assert last[k] is None or clock[n][k] >= pos[last[k]], f"stream {k} does not join the output"
+            # every stream that forks from the capture stream has work, which the output joins
+            assert set(plan.used) == {0} | {k for k in range(streams) if last[k] is not None}
             break
         kernel_of[n] = {n}
         order.append(n)

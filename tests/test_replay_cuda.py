@@ -372,3 +372,27 @@ def test_k_branched_capture_runs_independent_chains_on_parallel_streams_bit_exac
     assert e.counters.replays == CALLS and e.counters.eager == 0
     print(f"[replay-cuda] (k) branched capture: {plan.kernels} kernels, {plan.moved} on {plan.streams - 1} side "
           f"streams, {plan.fences} fence(s); {CALLS}/{CALLS} replays bit-exact, graph_bytes={report.graph_bytes}")
+
+
+def host_tensor_across_branches(x, w):
+    """A host (CPU) 0-dim tensor made inside the partition and read by kernels on two streams (the Moshi
+    LM step makes such scalars): a host tensor has no stream to record."""
+    scale = torch.scalar_tensor(0.5)
+    a = torch.sin(x @ w) * scale
+    b = torch.cos(x).neg() * scale
+    return a + b
+
+
+def test_l_branched_capture_with_a_host_tensor_read_on_two_streams():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    w = weights()[0][:, :D]
+    gm = make_fx(host_tensor_across_branches)(inputs(16, 0), w)
+    e = ExactShapeReplay(gm, name="host-scalar", backend=CudaGraphBackend(branches=2))
+    report = e.capture(inputs(16, 0), w)
+    assert report.admitted, report  # before the fix: capture_failed (record_stream of a CPU tensor)
+    assert e.branch_plan is not None and e.branch_plan.moved >= 1
+    for i in range(4):
+        x = inputs(16, i + 1)
+        assert torch.equal(e(x, w), host_tensor_across_branches(x, w)), f"call {i}"
+    print(f"[replay-cuda] (l) host tensor across branches: captured, {e.branch_plan.moved} kernel(s) moved, bit-exact")
