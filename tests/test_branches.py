@@ -187,3 +187,91 @@ def test_the_checker_rejects_a_plan_missing_a_wait():
     del plan.waits[n]
     with pytest.raises(AssertionError, match="may start before"):
         check_plan(gm, plan)
+
+
+class _FakeEvent:
+    log: list = []
+
+    def record(self, stream) -> None:
+        self.stream = stream
+        _FakeEvent.log.append(("record", stream.index, self))
+
+
+class _FakeStream:
+    current = None
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def wait_event(self, event) -> None:
+        _FakeEvent.log.append(("wait", self.index, event))
+
+
+class _StreamCtx:
+    def __init__(self, stream) -> None:
+        self.stream, self.prev = stream, None
+
+    def __enter__(self) -> None:
+        self.prev, _FakeStream.current = _FakeStream.current, self.stream
+
+    def __exit__(self, *exc) -> None:
+        _FakeStream.current = self.prev
+
+
+def test_the_run_follows_its_plan_stream_by_stream(monkeypatch):
+    """``BranchedRun`` with streams and events faked on the CPU: every kernel runs on its planned stream,
+    each planned wait is issued on the waiting stream before the kernel, for an event recorded on the
+    producer's stream after the producer ran; side streams fork from stream 0 first and join at the
+    output; the results are the partition's own."""
+    from cadence_fx import branches
+
+    def f(x, state):
+        a = x.sin().cos()
+        b = x.exp().neg()
+        state.add_(a)
+        return (a * b).tanh(), state.mul(2) + b
+
+    gm = _trace(f, torch.randn(4), torch.randn(4))
+    plan = plan_branches(gm, 3)
+    assert plan.streams >= 2 and plan.waits
+    streams = [_FakeStream(k) for k in range(3)]
+    _FakeStream.current, _FakeEvent.log = streams[0], []
+    calls = iter([n for n in gm.graph.nodes if n.op == "call_function"])  # the order the run calls them
+    original = branches._Interpreter.call_function
+
+    def logged(self, target, args, kwargs):
+        n = next(calls)
+        assert n.target is target
+        if n in plan.stream_of:  # a kernel: on the stream current while it runs
+            _FakeEvent.log.append(("ran", _FakeStream.current.index, n))
+        return original(self, target, args, kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream.current)
+    monkeypatch.setattr(torch.cuda, "stream", _StreamCtx)
+    monkeypatch.setattr(branches._Interpreter, "call_function", logged)
+
+    x, state = torch.randn(4), torch.randn(4)
+    ref_state = state.clone()
+    got = branches.BranchedRun(gm, plan, streams)(x, state)
+    want = gm(x, ref_state)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(state, ref_state)
+
+    log = _FakeEvent.log
+    at = {entry[2]: i for i, entry in enumerate(log) if entry[0] == "ran"}
+    assert set(at) == {n for n in plan.stream_of if n.op == "call_function"}
+    for n, i in at.items():
+        assert log[i][1] == plan.stream_of[n], f"{n} ran on stream {log[i][1]}"
+    fork = log[0]
+    assert fork[0] == "record" and fork[1] == 0
+    forked = [e[1] for e in log[1:] if e[0] == "wait" and e[2] is fork[2]]
+    assert sorted(forked) == [k for k in plan.used if k]
+    for n, waits in plan.waits.items():
+        if n.op == "output":
+            continue
+        for p in waits:
+            rec = next(j for j, e in enumerate(log) if e[0] == "record" and j > at[p] and e[1] == plan.stream_of[p])
+            assert any(e[0] == "wait" and e[1] == plan.stream_of[n] and e[2] is log[rec][2] and rec < j < at[n]
+                       for j, e in enumerate(log)), f"{n} does not wait for {p}"
+    joins = {e[1] for e in log[max(at.values()):] if e[0] == "wait"}
+    assert joins <= {0}
