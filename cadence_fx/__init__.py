@@ -14,6 +14,7 @@ from cadence_fx.export import example_inputs, export_catalog
 from cadence_fx.passes.hoist_constants import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, plan, region_extents
 from cadence_fx.program import OptimizedProgram, optimize
+from cadence_fx.replay import CudaGraphBackend
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
 from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot
@@ -22,7 +23,8 @@ from cadence_fx.runtime.state import StaleState, state_to
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "HeadTail",
+    "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "CudaGraphBackend",
+    "HeadTail",
     "OptimizedProgram", "Plan", "Region",
     "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
     "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save", "state_to",
