@@ -22,11 +22,14 @@ import warnings
 from collections import Counter
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from cadence_fx.determinism import bits_equal
+
+if TYPE_CHECKING:
+    from cadence_fx.branches import BranchPlan
 
 try:
     import numpy as _np
@@ -478,7 +481,7 @@ class ExactShapeReplay:
         self._captured_fn: Callable[..., Any] | None = None
 
     @property
-    def branch_plan(self) -> Any:
+    def branch_plan(self) -> "BranchPlan | None":
         """The parallel-branch plan the captures use (:class:`cadence_fx.branches.BranchPlan`), or ``None``
         (one stream, or nothing captured yet)."""
         return getattr(self._captured_fn, "plan", None)
