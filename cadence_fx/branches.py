@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 from torch.fx import GraphModule, Interpreter, Node
+from torch.utils._pytree import tree_leaves
 
 from cadence_fx.graph_utils import is_mutating, is_out_op, is_random, is_view
 
@@ -145,11 +146,7 @@ def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
         source[n] = frozenset({n})
     if out_node is not None:
         # every stream joins the capture stream: a capture must end on the stream it began on
-        place_join = [t for k, t in enumerate(tail) if k != 0 and t is not None]
-        need = tuple(t for t in place_join if waited[0].get(plan.stream_of[t], -1) < position[t])
-        if need:
-            plan.waits[out_node] = need
-            plan.recorded.update(need)
+        place(out_node, 0, frozenset(), [t for k, t in enumerate(tail) if k != 0 and t is not None])
     plan.streams = max(used) + 1
     plan.used = tuple(sorted(used))
     return plan
@@ -197,10 +194,10 @@ class _Interpreter(Interpreter):
         for p in self.plan.waits.get(n, ()):
             stream.wait_event(self.events[p])
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        read = {}
+        read = set()
         for t in _tensors((args, kwargs)):
             ptr = t.untyped_storage().data_ptr()
-            read[ptr] = t
+            read.add(ptr)
             made = self.made_on.get(ptr)
             if made is not None and made != k and t.is_cuda:  # host tensors have no streams
                 t.record_stream(stream)  # its memory is not reused before this stream's read of it is done
@@ -218,14 +215,4 @@ class _Interpreter(Interpreter):
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return out
+    return [v for v in tree_leaves(value) if isinstance(v, torch.Tensor)]

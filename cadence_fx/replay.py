@@ -505,12 +505,11 @@ class ExactShapeReplay:
         append = parts.append
         storages: dict[int, int] = {}
         strided = torch.strided
-        scalars_on_host = self.backend.device_type != "cpu"
         for i, a in enumerate(args):
             if type(a) in _TENSORS:
                 if a.layout is not strided or a.is_conj() or a.is_neg() or a.is_quantized:
                     return None
-                if scalars_on_host and a.dim() == 0 and a.device.type == "cpu":  # see _host_scalar
+                if a.dim() == 0 and self._host_scalar(a):  # the cheap test first: most arguments are not 0-dim
                     if a.requires_grad:
                         return None
                     append(("host_scalar", a.dtype, bytes(a.reshape(1).view(torch.uint8).tolist())))

@@ -165,11 +165,8 @@ def _track_axis(user: Node, src: Node, ax: int) -> int | None:
 
 
 def _bind_live(gm: GraphModule, site, ph: Node) -> None:
-    """The region arrives holding only its live slots: prove the graph reads no more than that."""
-    # the unlifted module's input-shape guard knows only the stock shape; the program checks
-    # signatures itself before it adopts the live-sized region
-    for guard in [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target).startswith("_guards")]:
-        gm.graph.erase_node(guard)
+    """The region arrives holding only its live slots: prove the graph reads no more than that.
+    (torch.export's input guard, which knows only the stock shape, is gone already: ``drop_static_guards``.)"""
     name = site.region.name
     found = reach([ph], site.shape)
     if found is None:
