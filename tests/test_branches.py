@@ -275,3 +275,13 @@ def test_the_run_follows_its_plan_stream_by_stream(monkeypatch):
                        for j, e in enumerate(log)), f"{n} does not wait for {p}"
     joins = {e[1] for e in log[max(at.values()):] if e[0] == "wait"}
     assert joins <= {0}
+
+
+def test_a_backend_refuses_fewer_than_one_stream():
+    import pytest
+
+    from cadence_fx.replay import CudaGraphBackend
+
+    with pytest.raises(ValueError, match="branches must be >= 1"):
+        CudaGraphBackend(branches=0)
+    assert CudaGraphBackend(branches=3).fork().branches == 3  # every lane's backend keeps the setting
