@@ -15,9 +15,14 @@ may overlap changes. Nothing that writes memory (an in-place op, an ``out=`` op,
 of a Python function), and nothing that draws from a generator, is moved off the capture stream: each
 such node is a fence, after everything launched before it and before everything launched after it,
 on every stream. So every read and write of state keeps the stock order. Between fences, nodes are
-pure ATen ops that only allocate their outputs; a tensor consumed on another stream than the one it
-was made on is ``record_stream``-ed there, so the allocator never hands its memory to a later kernel
-before its last reader is done.
+pure ATen ops that only allocate their outputs (a seeded op whose arguments make it draw nothing, an
+eval-mode dropout, is pure: :func:`~cadence_fx.graph_utils.draws`).
+
+Memory: a tensor read on another stream than the one it was allocated on is kept alive by the run
+until the next fence (or the final join) has been launched. Every kernel launched after a fence is
+ordered after it, and the fence after every read before it, so when the allocator hands that memory
+to a later kernel, the read is done. ``record_stream`` would say the same, but inside a capture the
+allocator defers every such block's reuse to the end of the capture, which grows the graph's pool.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_leaves
 
-from cadence_fx.graph_utils import is_mutating, is_out_op, is_random, is_view
+from cadence_fx.graph_utils import draws, is_mutating, is_out_op, is_view
 
 __all__ = ["BranchPlan", "BranchedRun", "plan_branches"]
 
@@ -45,6 +50,7 @@ class BranchPlan:
     waits: dict[Node, tuple[Node, ...]] = field(default_factory=dict)   # kernels on other streams, in order
     recorded: set[Node] = field(default_factory=set)   # nodes some other stream waits for (an event each)
     fences: int = 0
+    barriers: set[Node] = field(default_factory=set)   # the fences and the output: every stream is joined there
     kernels: int = 0
     moved: int = 0                                  # kernels placed off the capture stream
 
@@ -70,7 +76,7 @@ def _pure(n: Node) -> bool:
     """An ATen op that only reads its operands and allocates its result: free to run on any stream."""
     t = n.target
     return (n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and not is_mutating(n)
-            and not is_out_op(n) and not is_random(n))
+            and not is_out_op(n) and not draws(n))
 
 
 def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
@@ -138,6 +144,7 @@ def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
         else:
             # a fence: on the capture stream, after every other stream's last kernel
             plan.fences += 1
+            plan.barriers.add(n)
             place(n, 0, deps, [t for k, t in enumerate(tail) if k != 0 and t is not None])
             fence_time = max(free) + 1
             finish[n] = fence_time
@@ -147,6 +154,7 @@ def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
     if out_node is not None:
         # every stream joins the capture stream: a capture must end on the stream it began on
         place(out_node, 0, frozenset(), [t for k, t in enumerate(tail) if k != 0 and t is not None])
+        plan.barriers.add(out_node)
     plan.streams = max(used) + 1
     plan.used = tuple(sorted(used))
     return plan
@@ -174,6 +182,7 @@ class _Interpreter(Interpreter):
         self.side = streams
         self.events: dict[Node, Any] = {}
         self.made_on: dict[int, int] = {}  # storage this run allocated -> the stream index it was allocated on
+        self.held: list[torch.Tensor] = []  # read on another stream than their allocation's: freed after the next barrier
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         main = torch.cuda.current_stream()
@@ -199,18 +208,20 @@ class _Interpreter(Interpreter):
             ptr = t.untyped_storage().data_ptr()
             read.add(ptr)
             made = self.made_on.get(ptr)
-            if made is not None and made != k and t.is_cuda:  # host tensors have no streams
-                t.record_stream(stream)  # its memory is not reused before this stream's read of it is done
+            if made is not None and made != k:
+                self.held.append(t)  # its memory is not reused before this stream's read of it is done
         with torch.cuda.stream(stream):
             out = getattr(self, n.op)(n.target, args, kwargs)
         for t in _tensors(out):
             ptr = t.untyped_storage().data_ptr()
-            if ptr and ptr not in read and t.is_cuda:  # allocated by this node, on this stream (views of operands are not)
+            if ptr and ptr not in read:  # allocated by this node, on this stream (views of operands are not)
                 self.made_on[ptr] = k
         if n in self.plan.recorded:
             ev = torch.cuda.Event()
             ev.record(stream)
             self.events[n] = ev
+        if n in self.plan.barriers:
+            self.held.clear()  # launched after every stream's reads so far: later kernels are ordered after them
         return out
 
 

@@ -41,6 +41,40 @@ def is_random(node: Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
+# seeded ops that return their input unchanged, drawing nothing, when ``p == 0`` or ``train`` is False
+# (ATen's ``_dropout_impl``; the fused CUDA dropout is taken only for 0 < p < 1 in training)
+_DROPOUTS = frozenset({"dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def _literal(node: Node, index: int, name: str, default: object = None) -> object:
+    """An argument of ``node`` given positionally or by name; a Node (a value known only at run time) as is."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def draws(node: Node) -> bool:
+    """:func:`is_random` less the seeded ops whose literal arguments make them draw nothing.
+
+    A dropout with ``p == 0`` or ``train=False`` returns its input; ``scaled_dot_product_attention``
+    with ``dropout_p == 0`` asks no generator for an offset in any of its kernels (math, flash,
+    memory-efficient, cuDNN). Models in eval mode keep both in their exported graphs, and treating them
+    as draws would order every replay that holds one after every other lane's (the session streams of
+    :mod:`cadence_fx.runtime.rng`) and make each a fence for parallel branches.
+    """
+    if not is_random(node):
+        return False
+    name = overload_name(node)
+    if name in _DROPOUTS:
+        p, train = _literal(node, 1, "p"), _literal(node, 2, "train")
+        inert = (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0) or train is False
+        return not inert
+    if name == "scaled_dot_product_attention":
+        p = _literal(node, 4, "dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0)
+    return True
+
+
 def is_mutating(node: Node) -> bool:
     t = node.target
     return isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable

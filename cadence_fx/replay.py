@@ -93,6 +93,24 @@ class CudaGraphBackend:
         self._lock = threading.RLock()  # re-entrant: a replay inside a replay (a nested fake one) must not deadlock
         self._events: dict[torch.cuda.Stream, torch.cuda.Event] = {}
         self._after: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        self._generator: Any = None  # this backend's GraphGenerator, made at its first capture
+
+    def generator(self) -> Any:
+        """The generator state this backend's graphs are captured and replayed under (None where torch
+        has no graph-safe generator states: draws are then ordered across backends)."""
+        from cadence_fx.runtime.rng import GraphGenerator
+
+        if self._generator is None and GraphGenerator.supported():
+            self._generator = GraphGenerator(self.device)
+        return self._generator
+
+    def draws(self) -> AbstractContextManager[object]:
+        """Around launching a replay (or eager run) of a partition that draws, inside the session's
+        :func:`~cadence_fx.runtime.rng.drawing`."""
+        from cadence_fx.runtime.rng import replaying_draws
+
+        gen = self.generator()
+        return replaying_draws() if gen is None else gen.installed()
 
     @property
     def device(self) -> torch.device:
@@ -186,8 +204,10 @@ class CudaGraphBackend:
         before = torch.cuda.memory_reserved(dev)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(dev)
+        gen = self.generator()
         try:
-            with torch.cuda.device(dev), torch.cuda.graph(graph, pool=pool, stream=self._stream("capture")):
+            with gen.installed() if gen is not None else nullcontext(), torch.cuda.device(dev), \
+                    torch.cuda.graph(graph, pool=pool, stream=self._stream("capture")):
                 outputs = fn(*static_args)
         except BaseException:
             _recover_from_failed_capture(dev, stream)
@@ -261,6 +281,9 @@ class FakeBackend:
 
     def device_rng_get(self) -> torch.Tensor:
         return self.generator.get_state()
+
+    def draws(self) -> AbstractContextManager[object]:
+        return nullcontext()
 
     def device_rng_set(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)

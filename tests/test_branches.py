@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cadence_fx.branches import _alias, plan_branches
@@ -285,3 +286,81 @@ def test_a_backend_refuses_fewer_than_one_stream():
     with pytest.raises(ValueError, match="branches must be >= 1"):
         CudaGraphBackend(branches=0)
     assert CudaGraphBackend(branches=3).fork().branches == 3  # every lane's backend keeps the setting
+
+
+def test_a_tensor_read_on_another_stream_lives_until_the_next_barrier(monkeypatch):
+    """A tensor allocated on one stream and read on another is held by the run (not ``record_stream``-ed,
+    which inside a capture defers its reuse to the capture's end) until the next fence or the final join
+    has been launched, and released there: the allocator cannot hand its memory to a kernel that is not
+    ordered after the read."""
+    from cadence_fx import branches
+
+    def f(x, state):
+        a = x.sin().cos()
+        b = x.exp().neg()
+        c = (a * b).tanh()       # reads a and b: at least one of them on another stream than its own
+        state.add_(c)            # a fence
+        d = state.mul(2).abs()
+        e = x.sigmoid().relu()
+        return d + e + b
+
+    gm = _trace(f, torch.randn(64), torch.randn(64))
+    plan = plan_branches(gm, 3)
+    assert plan.streams >= 2 and plan.barriers
+    streams = [_FakeStream(k) for k in range(3)]
+    _FakeStream.current, _FakeEvent.log = streams[0], []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream.current)
+    monkeypatch.setattr(torch.cuda, "stream", _StreamCtx)
+    cross: list[tuple[Node, int]] = []    # (reader, storage) read across streams, in launch order
+    at_barrier: list[tuple[Node, set[int], int]] = []  # (barrier, storages held when it launched, reads so far)
+    original = branches._Interpreter.run_node
+
+    def run_node(self, n):
+        if n in plan.barriers:
+            at_barrier.append((n, {t.untyped_storage().data_ptr() for t in self.held}, len(cross)))
+        if n in plan.stream_of and n.op == "call_function":
+            for a in n.all_input_nodes:
+                ptr = self.env[a].untyped_storage().data_ptr() if isinstance(self.env.get(a), torch.Tensor) else 0
+                if self.made_on.get(ptr, plan.stream_of[n]) != plan.stream_of[n]:
+                    cross.append((n, ptr))
+        out = original(self, n)
+        if n in plan.barriers:
+            assert self.held == [], "a barrier releases what it ordered"
+        return out
+
+    monkeypatch.setattr(branches._Interpreter, "run_node", run_node)
+    x, state = torch.randn(64), torch.randn(64)
+    ref = state.clone()
+    got = branches.BranchedRun(gm, plan, streams)(x, state)
+    assert torch.equal(got[0], gm(x, ref)[0])
+    assert cross, "the plan reads nothing across streams: the test says nothing"
+    for i, (reader, ptr) in enumerate(cross):
+        barrier = next(b for b in at_barrier if b[2] > i)   # the first barrier launched after this read
+        assert ptr in barrier[1], f"{reader} read storage {ptr:#x} across streams, released before {barrier[0]}"
+
+
+def test_an_eval_mode_dropout_and_an_attention_without_dropout_are_kernels_not_fences():
+    """Seeded ops whose literal arguments make them draw nothing (``dropout`` with ``train=False`` or
+    ``p == 0``; SDPA with ``dropout_p == 0``, as models in eval mode export them) are scheduled like any
+    pure op; a dropout that draws stays a fence on the capture stream."""
+    from cadence_fx.graph_utils import draws
+
+    aten = torch.ops.aten
+
+    def f(x, q):  # ATen ops spelled out: symbolic tracing keeps them as they are written
+        a = aten.dropout.default(aten.sin.default(x), 0.1, False)
+        b = aten.dropout.default(aten.cos.default(x), p=0.0, train=True)
+        att = aten.scaled_dot_product_attention.default(q, aten.exp.default(q), aten.neg.default(q))
+        live = aten.dropout.default(aten.tanh.default(x), 0.1, True)
+        return aten.add.Tensor(a, b), att, live
+
+    gm = torch.fx.symbolic_trace(f)
+    seeded = [n for n in gm.graph.nodes if "dropout" in str(n.target) or "scaled_dot" in str(n.target)]
+    assert [draws(n) for n in seeded] == [False, False, False, True]
+    plan = plan_branches(gm, 3)
+    check_plan(gm, plan)
+    assert plan.fences == 1 and plan.stream_of[seeded[-1]] == 0  # only the live dropout
+    assert plan.moved > 0
+    x, q = torch.randn(8), torch.randn(1, 2, 4, 8)
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, q)[:2], f(x, q)[:2]))

@@ -178,6 +178,54 @@ def test_each_session_draws_its_own_random_stream():
         assert all(torch.equal(a, b) for a, b in zip(want[i], got[i])), f"session {i}"
 
 
+class _Attend(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, kv, live):
+        q = self.proj(kv)[:, None]
+        att = torch.nn.functional.scaled_dot_product_attention(q, q, q)  # dropout_p 0
+        noise = torch.rand_like(kv[:, 0]) if live else 0.0
+        return self.drop(att[:, 0]).mean(1) + noise
+
+
+class EvalDropout(torch.nn.Module):
+    """Attention with an eval-mode dropout: seeded ops in the exported graph that draw nothing."""
+
+    def __init__(self, live: bool):
+        super().__init__()
+        self.lin = _Attend()
+        self.live = live
+
+    def forward(self, x, cache):
+        kv = torch.cat([cache, x], 1)
+        return self.lin(kv, self.live), kv[:, -3:]
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["inert", "draws"])
+def test_only_partitions_that_draw_are_marked_random(live):
+    """An eval-mode dropout and an attention without dropout draw nothing: their partition is not
+    marked random (its replays run outside the session streams and are never ordered across lanes);
+    one ``rand_like`` beside them is a draw."""
+    contract = cf.Contract(clocks=(cf.Clock("frame", 1),), wrap=("lin",), regions=(
+        cf.Region("kv", input="cache", output=1, clock="frame", axis=1, order="old_new",
+                  retention=cf.SlidingWindow(3), initial=3),))
+    step = EvalDropout(live).eval()
+    eps = cf.export_catalog(step, contract, {"x": torch.zeros(1, 1, 4), "cache": torch.zeros(1, 3, 4)})
+    seeded = {str(n.target) for ep in eps for n in ep.graph_module.graph.nodes
+              if n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())}
+    assert {"aten.dropout.default", "aten.scaled_dot_product_attention.default"} <= seeded, seeded
+    prog = cf.optimize(eps, contract, replay=FakeBackend())
+    assert prog.stats["passes"].get("mark_randomness", 0) == int(live)
+    x = torch.randn(1, 1, 4)
+    torch.manual_seed(3)
+    want = cf.reference(eps)(x, torch.zeros(1, 3, 4))[0]
+    torch.manual_seed(3)
+    assert torch.equal(prog(x, torch.zeros(1, 3, 4))[0], want)
+
+
 def test_one_sessions_bytes_are_the_same_alone_interleaved_and_concurrent(setup):
     model, contract, eps = setup
     prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=3)

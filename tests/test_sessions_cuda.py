@@ -66,17 +66,41 @@ def test_sessions_on_lanes_from_threads_are_bit_exact_alone_and_concurrent():
           f"lanes used {sorted(lanes_used)}; counters {c}; per-session {prog.sessions()[0].nbytes()} bytes")
 
 
-class Noisy(torch.nn.Module):
-    def __init__(self):
+class _Draws(torch.nn.Module):
+    """A wrapped callable that computes, then draws (as HiFT's sine source does inside the vocoder)."""
+
+    def __init__(self, depth: int):
         super().__init__()
-        self.lin = torch.nn.Linear(64, 64)
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(depth)])
+        self.out = torch.nn.Linear(64, 64)
+
+    def forward(self, h):
+        h = self.body(h)
+        return self.out(h + torch.rand_like(h) + torch.randn_like(h))
+
+
+class Noisy(torch.nn.Module):
+    def __init__(self, depth: int = 16):
+        super().__init__()
+        self.lin = _Draws(depth)
 
     def forward(self, x, cache):
         kv = torch.cat([cache, x], 1)
-        return self.lin(kv.mean(1) + torch.rand_like(x[:, 0]) + torch.randn_like(x[:, 0])), kv[:, -16:]
+        return self.lin(kv.mean(1)), kv[:, -16:]
 
 
-def test_each_session_replays_its_own_device_random_stream_concurrently():
+@pytest.mark.parametrize("mismarked", [False, True], ids=["marked", "draw-found-at-capture"])
+def test_each_session_replays_its_own_device_random_stream_concurrently(mismarked, monkeypatch, caplog):
+    """Four seeded sessions on two lanes from four threads: each equals its solo run. The lanes' graphs
+    that draw are captured and replayed under each lane's own generator state, so their replays are not
+    ordered across lanes. ``draw-found-at-capture``: the partition is not marked as drawing (as if an op
+    drew without saying so); its capture sees the draw and its calls switch to the session streams."""
+    from cadence_fx.passes import mark_randomness
+    from cadence_fx.runtime import rng
+
+    if mismarked:
+        monkeypatch.setattr(mark_randomness, "draws", lambda n: False)
+    rng._last_replay = None
     pin_envelope()
     contract = cf.Contract(clocks=(cf.Clock("frame", 4),), wrap=("lin",), regions=(
         cf.Region("kv", input="cache", output=1, clock="frame", axis=1, order="old_new",
@@ -115,5 +139,8 @@ def test_each_session_replays_its_own_device_random_stream_concurrently():
     assert got == want
     c = prog.counters()
     assert c["replays"] == 40 and c["eager"] == 0, c
+    if rng.GraphGenerator.supported():
+        assert rng._last_replay is None, "replays that draw were ordered across lanes"
+    assert any("no op in it is a draw" in r.getMessage() for r in caplog.records) == mismarked
     print(f"\n[sessions-cuda] 4 seeded sessions, device RNG replayed on 2 lanes from 4 threads: each equals its "
           f"solo run (torch.manual_seed(seed)); counters {c}")

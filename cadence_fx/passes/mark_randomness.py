@@ -2,7 +2,8 @@
 
 Sessions keep one random stream each (:mod:`cadence_fx.runtime.rng`): the runtime installs a
 session's generator states around every draw. This pass marks where draws happen: each partition
-whose graph holds a random op, and each random op left in the root graph (no partitions).
+whose graph holds a random op, and each random op left in the root graph (no partitions). A seeded op
+whose arguments make it draw nothing (an eval-mode dropout) is not a draw (:func:`~cadence_fx.graph_utils.draws`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM
-from cadence_fx.graph_utils import is_random
+from cadence_fx.graph_utils import draws
 from cadence_fx.passes import PassContext
 
 
@@ -20,10 +21,10 @@ def mark_randomness(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for node in gm.graph.nodes:
         if node.op == "call_module":
             sub = gm.get_submodule(str(node.target))
-            draws = hasattr(sub, "graph") and any(is_random(n) for n in sub.graph.nodes)
+            drawing = hasattr(sub, "graph") and any(draws(n) for n in sub.graph.nodes)
         else:
-            draws = is_random(node)
-        if draws:
+            drawing = draws(node)
+        if drawing:
             node.meta[RANDOM] = True
             marked += 1
     ctx.record("mark_randomness", marked)

@@ -9,6 +9,13 @@ generators, under one process-wide lock, and saves them back. The lock is held o
 launching the draw, not while the device computes: sessions on different streams still overlap.
 
 Outside a session (plain ``prog(...)``), nothing is swapped: draws use the generators as they are.
+
+Captured graphs that draw read the generator's seed and offset from device tensors that belong to the
+generator state they were captured under, written by each replay's prologue on the replaying stream.
+Each lane's backend therefore captures and replays under a state of its own (:class:`GraphGenerator`,
+where torch has graph-safe generator states), loaded with the drawing session's seed and offset before
+the launch and read back after it: lanes replaying such graphs at once write different tensors. Where
+torch lacks them, :func:`replaying_draws` orders those replays across lanes instead.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["RngStates", "SessionRng", "draw_random", "drawing", "replaying_draws", "session_rng"]
+__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "drawing", "replaying_draws",
+           "session_rng"]
 
 _lock = threading.RLock()
 _local = threading.local()
@@ -91,12 +99,44 @@ def drawing() -> Iterator[None]:
             outside.install()
 
 
+class GraphGenerator:
+    """One backend's own state of a device's default CUDA generator, installed around its captures and
+    around the replays of its graphs that draw (inside :func:`drawing`).
+
+    While installed, the generator draws from this state; installing copies the generator's seed and
+    offset (the session's, inside :func:`drawing`) in, and removing it copies them back out, so every
+    draw continues the stream it would have continued with no swap. The graphs captured while it is
+    installed write their replay prologue into this state's device tensors only.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        self._state = self._gen.clone_state()
+
+    @staticmethod
+    def supported() -> bool:
+        return torch.cuda.is_available() and hasattr(torch.Generator, "graphsafe_set_state")
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        with _lock:
+            outer = self._gen.graphsafe_get_state()
+            self._state.set_state(self._gen.get_state())
+            self._gen.graphsafe_set_state(self._state)
+            try:
+                yield
+            finally:
+                self._gen.graphsafe_set_state(outer)
+                self._gen.set_state(self._state.get_state())
+
+
 _last_replay: Any = None  # the event after the last replayed graph that draws, on whichever stream ran it
 
 
 @contextmanager
 def replaying_draws() -> Iterator[None]:
-    """Around launching a captured graph that draws, inside :func:`drawing`.
+    """Around launching a captured graph that draws, inside :func:`drawing`, where the backend has no
+    :class:`GraphGenerator` (torch without graph-safe generator states).
 
     A replay writes the generator's seed and offset into device tensors that every captured graph
     of that generator reads (its replay prologue), on the replaying stream. Two lanes replaying such

@@ -9,6 +9,7 @@ counted by reason.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from torch.fx import GraphModule
 from cadence_fx.annotations import RANDOM, replay_spec
 from cadence_fx.replay import ExactShapeReplay, ReplayBackend, StagingArena
 from cadence_fx.runtime.rng import draw_random, drawing, replaying_draws
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CaptureGate", "CaptureSession", "RandomGuard", "ReplayRunner", "RunnerSet", "install_runners",
            "isolate_randomness"]
@@ -68,8 +71,15 @@ class ReplayRunner(torch.nn.Module):
             if key is not None and key not in self.engine.classes:
                 report = self.engine.capture(*args, restored_by_caller=session.restored_by_caller)
                 session.captured += int(report.admitted)
+                if report.effect == "device_rng" and not self.random:
+                    # the probe saw a draw the graph's ops did not announce: replay it as one that draws
+                    log.warning("partition %s draws from the device generator although no op in it is a "
+                                "draw; its calls now run with the session's random streams", self.engine.name)
+                    self.random = True
         if self.random:
-            with drawing(), replaying_draws():
+            # the backend's own generator state where it has one; else these replays are ordered across lanes
+            draws = getattr(self.engine.backend, "draws", replaying_draws)
+            with drawing(), draws():
                 return self.engine(*args)
         return self.engine(*args)
 
