@@ -25,6 +25,8 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
 - ``SRcb``/``SRchb``  ``SRc``/``SRch`` captured with ``CudaGraphBackend(branches=3)``: each graph's independent
                  chains (projections, rotary embeddings, parallel residual blocks) on up to three streams of
                  the one graph (``cadence_fx.branches``); the same kernels, gated against ``B0``/``B0h``.
+- ``SRchb2``     ``SRchb`` with the matrix products on two of the three streams (``blas_streams=2``): the
+                 process keeps one cuBLAS workspace fewer.
 - ``B0n``        the 1.0.7 driver as it ships (``minicpmo-utils-1.0.7``): the flow step with the 1.0.7 trims
                  (``Token2WavStep(flow, None, cfg, driver="1.0.7")``, ``driver_call``: no extra copies), then
                  its own ``BoundedVocoder`` on the chunk's mel, eagerly (``bounded_vocoder_stream``; a causal
@@ -98,6 +100,9 @@ OPT_CELLS = {
     # SRc / SRch with each graph's independent chains captured on parallel streams (cadence_fx.branches)
     "SRcb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, branches=3),
     "SRchb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True, branches=3),
+    # SRchb with the matrix products on two of the three streams: one cuBLAS workspace fewer
+    "SRchb2": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True, branches=3,
+                   blas_streams=2),
     "SRcn": dict(state=True, replay="auto", granularity="chunk", step_segments=True, driver="1.0.7"),
 }
 RESTORE_SNAPSHOT, RESTORE_AT = 8, 12
@@ -358,7 +363,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     if spec.get("branches", 1) > 1 and device == "cuda":
         from cadence_fx.replay import CudaGraphBackend
 
-        replay = CudaGraphBackend(branches=spec["branches"])
+        replay = CudaGraphBackend(branches=spec["branches"], blas_streams=spec.get("blas_streams"))
     prog = cf.optimize(eps, contract, replay=replay, state=spec["state"])
     optimize_s = time.perf_counter() - t0
     del eps

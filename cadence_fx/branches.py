@@ -72,6 +72,17 @@ def _alias(n: Node) -> bool:
     return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in _VIEWS and is_view(n)
 
 
+# ops that call cuBLAS (SDPA's math path does): every stream that runs one keeps a cuBLAS workspace of its
+# own for the process (torch sizes it per (handle, stream); 32 MiB on Hopper)
+_BLAS = frozenset(f"aten::{name}" for name in (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation", "addmv", "mv", "dot",
+    "vdot", "addr", "einsum", "tensordot", "_scaled_mm", "scaled_dot_product_attention"))
+
+
+def _uses_blas(n: Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in _BLAS
+
+
 def _pure(n: Node) -> bool:
     """An ATen op that only reads its operands and allocates its result: free to run on any stream."""
     t = n.target
@@ -79,13 +90,17 @@ def _pure(n: Node) -> bool:
             and not is_out_op(n) and not draws(n))
 
 
-def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
+def plan_branches(gm: GraphModule, max_streams: int, *, blas_streams: int | None = None) -> BranchPlan:
     """Assign the kernels of ``gm`` to at most ``max_streams`` streams (greedy list scheduling, one unit
     of time per kernel): each kernel goes to the stream where it can start earliest, ties broken toward
-    the stream of its own operands (no wait) and then the capture stream."""
+    the stream of its own operands (no wait) and then the capture stream.
+
+    ``blas_streams``: the matrix products (cuBLAS calls) go only to the first that many streams, so the
+    process keeps that many cuBLAS workspaces rather than one per stream (default: every stream)."""
     plan = BranchPlan(streams=1)
     if max_streams < 2:
         return plan
+    blas = max_streams if blas_streams is None else max(1, min(blas_streams, max_streams))
     source: dict[Node, frozenset[Node]] = {}   # node -> the kernel nodes whose outputs it is (views follow)
     finish: dict[Node, int] = {}
     free = [0] * max_streams                      # when each stream's last kernel ends
@@ -135,7 +150,8 @@ def plan_branches(gm: GraphModule, max_streams: int) -> BranchPlan:
             plan.kernels += 1
             ready = max([finish[p] for p in deps] + [fence_time])
             own = {plan.stream_of[p] for p in deps}
-            s = min(range(max_streams), key=lambda k: (max(ready, free[k]), k not in own, k != 0, k))
+            s = min(range(blas if _uses_blas(n) else max_streams),
+                    key=lambda k: (max(ready, free[k]), k not in own, k != 0, k))
             # after a fence, a side stream's first kernel waits for it (place skips what is already ordered)
             place(n, s, deps, [fence] if fence is not None else [])
             finish[n] = max(ready, free[s]) + 1

@@ -72,13 +72,19 @@ class CudaGraphBackend:
 
     device_type = "cuda"
 
-    def __init__(self, device: torch.device | int | None = None, *, branches: int = 1) -> None:
+    def __init__(self, device: torch.device | int | None = None, *, branches: int = 1,
+                 blas_streams: int | None = None) -> None:
         """``branches`` > 1: a replayed partition's independent chains are captured on up to that many
-        parallel streams of its graph (:mod:`cadence_fx.branches`); 1 captures every kernel on one stream."""
+        parallel streams of its graph (:mod:`cadence_fx.branches`); 1 captures every kernel on one stream.
+        ``blas_streams``: how many of those streams may run matrix products (each stream that does keeps a
+        cuBLAS workspace, 32 MiB on Hopper, for the process); default all of them."""
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
+        if blas_streams is not None and not 1 <= blas_streams <= branches:
+            raise ValueError(f"blas_streams must be in 1..branches ({branches}), got {blas_streams}")
         self._device = device
         self.branches = branches
+        self.blas_streams = blas_streams
         # One stream per device for every warm-up and capture: cuBLAS keeps a workspace per
         # (handle, stream) for the process's life, so a fresh stream per capture cost one workspace
         # per graph, and a warm-up stream of its own one more per program (docs/design.md, Replay).
@@ -105,12 +111,10 @@ class CudaGraphBackend:
         return self._generator
 
     def draws(self) -> AbstractContextManager[object]:
-        """Around launching a replay (or eager run) of a partition that draws, inside the session's
-        :func:`~cadence_fx.runtime.rng.drawing`."""
-        from cadence_fx.runtime.rng import replaying_draws
-
+        """Around launching the replay of a graph that draws (inside the calling session's
+        :func:`~cadence_fx.runtime.rng.drawing`, where there is one)."""
         gen = self.generator()
-        return replaying_draws() if gen is None else gen.installed()
+        return _ordered_draws() if gen is None else gen.installed()
 
     @property
     def device(self) -> torch.device:
@@ -119,7 +123,7 @@ class CudaGraphBackend:
 
     def fork(self) -> "CudaGraphBackend":
         """A backend on the same device with a stream and a graph pool of its own (one per lane of sessions)."""
-        return CudaGraphBackend(self._device, branches=self.branches)
+        return CudaGraphBackend(self._device, branches=self.branches, blas_streams=self.blas_streams)
 
     def captured_form(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """What warm-up and capture run for ``fn``: ``fn`` itself, or with ``branches`` > 1 and ``fn`` a
@@ -132,7 +136,7 @@ class CudaGraphBackend:
 
         if self.branches < 2 or not isinstance(fn, GraphModule):
             return fn
-        plan = plan_branches(fn, self.branches)
+        plan = plan_branches(fn, self.branches, blas_streams=self.blas_streams)
         if plan.streams < 2:
             return fn
         streams = [self._stream("capture")] + [self._stream(f"branch{k}") for k in range(1, plan.streams)]
@@ -364,6 +368,13 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _ordered_draws() -> AbstractContextManager[object]:
+    """A backend without a generator state of its own: its replays that draw are ordered across lanes."""
+    from cadence_fx.runtime.rng import replaying_draws
+
+    return replaying_draws()
+
+
 def _host_rng() -> tuple:
     return (torch.get_rng_state(), random.getstate(), _np.random.get_state() if _np is not None else None)
 
@@ -489,6 +500,7 @@ class ExactShapeReplay:
         self.backend: ReplayBackend = CudaGraphBackend() if backend is None else backend
         # a backend without the method (a user's own) gives no guarantee beyond one caller at a time
         self._exclusive: Callable[[], AbstractContextManager[object]] = getattr(self.backend, "exclusive", nullcontext)
+        self._draws: Callable[[], AbstractContextManager[object]] = getattr(self.backend, "draws", _ordered_draws)
         self._live = self.backend.available()
         self.pool = pool
         self.clone_outputs = clone_outputs
@@ -569,7 +581,9 @@ class ExactShapeReplay:
             if args[i].data_ptr() != ptr:
                 self._drop(key, f"aliased argument {i} moved from {ptr:#x} to {args[i].data_ptr():#x}")
                 return self._eager("pointer_drift", key, args)
-        with self._exclusive():
+        # a graph that draws replays under its backend's generator state (taken before the backend's
+        # turn, in the order the session streams take their lock: see runtime.rng)
+        with self._draws() if g.report.effect == "device_rng" else nullcontext(), self._exclusive():
             for stage in g.stages:
                 stage.load(args[stage.index])
             g.replay()

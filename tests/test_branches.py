@@ -364,3 +364,29 @@ def test_an_eval_mode_dropout_and_an_attention_without_dropout_are_kernels_not_f
     assert plan.moved > 0
     x, q = torch.randn(8), torch.randn(1, 2, 4, 8)
     assert all(torch.equal(a, b) for a, b in zip(gm(x, q)[:2], f(x, q)[:2]))
+
+
+def test_matrix_products_stay_on_the_first_blas_streams():
+    """``blas_streams=k``: every cuBLAS call (mm, addmm, bmm, linear, SDPA...) is placed on one of the
+    first k streams, so the process keeps k cuBLAS workspaces; the other kernels may use every stream."""
+    from cadence_fx.branches import _uses_blas
+
+    def f(x, w):
+        q, k, v = x @ w, (x + 1) @ w, (x - 1) @ w
+        return q.sin() + k.cos() + v.exp() + x.tanh() + x.sigmoid().neg()
+
+    gm = _trace(f, torch.randn(4, 4), torch.randn(4, 4))
+    free = plan_branches(gm, 3)
+    assert {free.stream_of[n] for n in free.stream_of if _uses_blas(n)} == {0, 1, 2}
+    for k in (1, 2):
+        plan = plan_branches(gm, 3, blas_streams=k)
+        check_plan(gm, plan)
+        assert {plan.stream_of[n] for n in plan.stream_of if _uses_blas(n)} == set(range(k))
+        assert plan.streams == 3  # the pointwise chains still spread
+    import pytest
+
+    from cadence_fx.replay import CudaGraphBackend
+
+    with pytest.raises(ValueError, match="blas_streams must be in 1..branches"):
+        CudaGraphBackend(branches=2, blas_streams=3)
+    assert CudaGraphBackend(branches=3, blas_streams=2).fork().blas_streams == 2

@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM, replay_spec
 from cadence_fx.replay import ExactShapeReplay, ReplayBackend, StagingArena
-from cadence_fx.runtime.rng import draw_random, drawing, replaying_draws
+from cadence_fx.runtime.rng import draw_random, drawing
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,7 @@ class ReplayRunner(torch.nn.Module):
                                 "draw; its calls now run with the session's random streams", self.engine.name)
                     self.random = True
         if self.random:
-            # the backend's own generator state where it has one; else these replays are ordered across lanes
-            draws = getattr(self.engine.backend, "draws", replaying_draws)
-            with drawing(), draws():
+            with drawing():  # the engine replays a graph that draws under its backend's generator state
                 return self.engine(*args)
         return self.engine(*args)
 
