@@ -417,7 +417,10 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
         per = (time.perf_counter() - t_join) * 1e3 / len(mine)
         joins = [[i, -1.0, per] for i in mine]
     fresh = {i: _script_tokens(bench, i % cmd["scripts"], chunks) for i in mine}
-    state = {i: {k: v.to(device, copy=True) for k, v in bench.state0.items()} for i in mine}
+    # each session's initial (prompt) state goes to the device when its first chunk is served, as a server
+    # loads a joining conversation's prompt: staged up front for every session, the copies of sessions
+    # not yet served would all be live at once and count in the row's peak as memory per session
+    state: dict[int, dict | None] = {i: None for i in mine}
     pcm: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
     records: list[list[float]] = []
     due = [(base + i * period / n, i, 0) for i in mine]
@@ -451,6 +454,8 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                         tj = time.perf_counter()
                         sessions[i] = prog.session(f"s{i}", seed=i % cmd["scripts"])
                         joins.append([i, tj - base, (time.perf_counter() - tj) * 1e3])
+                    if state[i] is None:
+                        state[i] = {key: v.to(device, copy=True) for key, v in bench.state0.items()}
                     out = sessions[i](*step.next_args(fresh[i][k], state[i]))
                 wav = out[0].to("cpu")  # the PCM on the host: the chunk is ready
             ready = time.perf_counter()
