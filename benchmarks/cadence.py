@@ -379,7 +379,7 @@ def run_worker(args) -> None:
     if device == "cuda" and args.branches > 1:  # each lane forks the backend, branches included
         from cadence_fx.replay import CudaGraphBackend
 
-        replay = CudaGraphBackend(branches=args.branches)
+        replay = CudaGraphBackend(branches=args.branches, blas_streams=args.blas_streams)
     prog = cf.optimize(eps, bench.contract, lanes=args.lanes, replay=replay)
     optimize_s = time.perf_counter() - t0
     del eps
@@ -671,7 +671,7 @@ class Run:
     def start_workers(self, k: int) -> list[Worker]:
         a = self.args
         common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
-                  "--branches", str(a.branches)]
+                  "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else [])]
         return [Worker(g, [sys.executable, __file__, "--worker", str(g)] + common + _passthrough(a),
                        child_env(self.visible, g)) for g in range(k)]
 
@@ -737,7 +737,7 @@ class Run:
                     parts = [w.receive() for w in grp]
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
-                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, join_live=a.join_live,
+                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams, join_live=a.join_live,
                                gpu_ids=[w.g for w in grp],
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
                                repeat=rep_i if len(batch) > 1 else None,
@@ -968,6 +968,9 @@ def main() -> None:
     ap.add_argument("--branches", type=int, default=1,
                     help="SRc: streams per captured graph (CudaGraphBackend(branches=N): independent chains in "
                          "parallel; 1: one stream)")
+    ap.add_argument("--blas-streams", type=int, default=None,
+                    help="SRc with --branches: how many of each graph's streams may run matrix products (each keeps "
+                         "a cuBLAS workspace per lane); default all")
     ap.add_argument("--scripts", type=int, default=4)
     ap.add_argument("--full-sweep", action="store_true", help="keep sweeping N after the first misses")
     ap.add_argument("--pack", action="store_true",
