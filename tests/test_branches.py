@@ -390,3 +390,28 @@ def test_matrix_products_stay_on_the_first_blas_streams():
     with pytest.raises(ValueError, match="blas_streams must be in 1..branches"):
         CudaGraphBackend(branches=2, blas_streams=3)
     assert CudaGraphBackend(branches=3, blas_streams=2).fork().blas_streams == 2
+
+
+def test_an_op_draws_says_draws_nothing_leaves_the_generator_untouched():
+    """The predicate against the ops themselves (CPU generator): wherever ``draws`` says an op draws
+    nothing, running it leaves the generator's state as it was, for every dropout variant and SDPA over
+    a grid of ``p`` and ``train``; where the op does move the generator, ``draws`` says it draws."""
+    from cadence_fx.graph_utils import draws
+
+    aten = torch.ops.aten
+    x = torch.randn(2, 3, 8, 8)
+    cases = [(op, (x, p, train)) for op in (aten.dropout.default, aten.feature_dropout.default,
+                                            aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+             for p in (0.0, 0, 0.3, 1.0) for train in (False, True)]
+    cases += [(aten.scaled_dot_product_attention.default, (x, x, x, None, p)) for p in (0.0, 0.2)]
+    moved = 0
+    for op, args in cases:
+        g = torch.fx.Graph()
+        node = g.call_function(op, tuple(g.placeholder(f"a{i}") if isinstance(a, torch.Tensor) else a
+                                         for i, a in enumerate(args)))
+        before = torch.get_rng_state()
+        op(*args)
+        changed = not torch.equal(before, torch.get_rng_state())
+        moved += changed
+        assert draws(node) or not changed, f"{op} {args[1:]} drew although draws() said it does not"
+    assert moved >= 5  # the grid has ops that do draw: the check above is not vacuous
