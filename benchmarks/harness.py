@@ -209,6 +209,17 @@ def release_library_workspaces() -> None:
         clear()
 
 
+def branch_summary(progs: Any) -> dict[str, int] | None:
+    """How much of the replayed graphs of ``progs`` (optimized programs) left the capture stream:
+    graphs, kernels, moved kernels, fences and streams over every engine with a parallel-branch plan;
+    ``None`` where no graph has one (one stream)."""
+    plans = [e.branch_plan for p in progs for e in p.runners().values() if getattr(e, "branch_plan", None) is not None]
+    if not plans:
+        return None
+    return dict(graphs=len(plans), kernels=sum(p.kernels for p in plans), moved=sum(p.moved for p in plans),
+                fences=sum(p.fences for p in plans), streams=max(p.streams for p in plans))
+
+
 def library_warnings(limit: int = 20, width: int = 600) -> list[str]:
     """Start keeping the warnings ``cadence_fx`` logs in this process (a capture refused, with its error;
     a class invalidated); returns the list they are appended to (the first ``limit``, each cut to

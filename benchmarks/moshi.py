@@ -473,11 +473,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
                   for s in STAGES}
     notes = ", ".join(f"{s}: replays {c['replays']}, eager {c['eager']}" + (f" {c['rejections']}" if c["rejections"]
                                                                              else "") for s, c in counters.items())
-    plans = {s: [e.branch_plan for e in progs[s].runners().values() if getattr(e, "branch_plan", None) is not None]
-             for s in STAGES} if not spec.get("exported") else {}
-    branches = {s: dict(kernels=sum(p.kernels for p in ps), moved=sum(p.moved for p in ps),
-                        fences=sum(p.fences for p in ps), streams=max(p.streams for p in ps))
-                for s, ps in plans.items() if ps}
+    branches = {s: b for s in STAGES if (b := harness.branch_summary([progs[s]])) is not None} \
+        if not spec.get("exported") else {}
     return [_row(name, res, prof, warm, notes, lane=args.lane, export_s=export_s, optimize_s=optimize_s,
                  branches=branches or None, library_warnings=warnings,
                  counters=counters, state=state_info, released_stock_state_mib=released / 2**20,

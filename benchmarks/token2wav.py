@@ -426,11 +426,9 @@ def run_opt_cell(args, name: str) -> list[dict]:
                for prefix, p in progs.items() for k, eng in p.runners().items()}
     rows[-1]["capture_reports"] = reports
     rows[-1]["library_warnings"] = warnings
-    plans = [e.branch_plan for p in progs.values() for e in p.runners().values() if e.branch_plan is not None]
-    if plans:  # the parallel-branch cells: how much of each graph left the capture stream
-        rows[-1]["branches"] = dict(graphs=len(plans), kernels=sum(p.kernels for p in plans),
-                                    moved=sum(p.moved for p in plans), fences=sum(p.fences for p in plans),
-                                    streams=max(p.streams for p in plans))
+    branches = harness.branch_summary(progs.values())
+    if branches:  # the parallel-branch cells: how much of each graph left the capture stream
+        rows[-1]["branches"] = branches
     if decode is not None:
         rows[-1]["vocoder"] = dict(vocoder, eager_signatures={str(k): n for k, n in decode.counters()["eager"].items()})
     return rows

@@ -53,6 +53,11 @@ def _literal(node: Node, index: int, name: str, default: object = None) -> objec
     return node.kwargs.get(name, default)
 
 
+def _zero(p: object) -> bool:
+    """A literal probability of exactly 0 (a Node, known only at run time, is not)."""
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
+
+
 def draws(node: Node) -> bool:
     """:func:`is_random` less the seeded ops whose literal arguments make them draw nothing.
 
@@ -66,12 +71,9 @@ def draws(node: Node) -> bool:
         return False
     name = overload_name(node)
     if name in _DROPOUTS:
-        p, train = _literal(node, 1, "p"), _literal(node, 2, "train")
-        inert = (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0) or train is False
-        return not inert
+        return not (_zero(_literal(node, 1, "p")) or _literal(node, 2, "train") is False)
     if name == "scaled_dot_product_attention":
-        p = _literal(node, 4, "dropout_p", 0.0)
-        return not (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0)
+        return not _zero(_literal(node, 4, "dropout_p", 0.0))
     return True
 
 

@@ -110,7 +110,7 @@ class GraphGenerator:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        self._gen = torch.cuda.default_generators[device.index]  # a backend's device always names its index
         self._state = self._gen.clone_state()
 
     @staticmethod
