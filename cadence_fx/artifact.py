@@ -57,6 +57,8 @@ from cadence_fx.passes import CatalogTables, ProgramFacts, SharedWorkspace
 from cadence_fx.passes.hoist_constants import FoldedWeights, WeightsChanged
 from cadence_fx.plan import Plan, RegionPlan
 from cadence_fx.program import OptimizedProgram, Replay, _check_lanes
+from cadence_fx.runtime.clone import HOOKS as _HOOKS, MODULE_INTERNALS as _MODULE_INTERNALS
+from cadence_fx.runtime.clone import export_guards as _export_guards
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
 
 __all__ = ["ArtifactError", "ArtifactMismatch", "load", "save"]
@@ -65,17 +67,6 @@ FORMAT = "cadence_fx.artifact"
 VERSION = 1
 _META_PREFIX = "cadence_"  # node.meta keys the passes write for the runtime (cadence_fx.annotations)
 
-# nn.Module / GraphModule attributes that hold no program data: regenerated or empty on load
-_MODULE_INTERNALS = frozenset({
-    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
-    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-    # GraphModule
-    "_graph", "_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec", "_tracer_cls", "_tracer_extras",
-    "meta", "shape_env", "_erase_node_hooks", "_create_node_hooks", "_replace_hooks", "_deepcopy_hooks",
-})
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # modules whose functions a graph may call (besides ATen operators): resolved by name on load
 _CALLABLE_MODULES = ("_operator", "operator", "builtins", "math", "torch", "cadence_fx")
 # settings that change which kernel runs, hence the bits of hoisted constants and of every call
@@ -286,20 +277,6 @@ class _Writer:
 
 
 # ---------------------------------------------------------------------- graphs
-def _export_guards(mod: torch.nn.Module) -> set[str]:
-    """The children of ``mod`` that are torch.export's input guard (``_guards_fn``, a generated checker
-    of the example shapes the program was specialised to), called for no value. They are not stored: a
-    loaded program dispatches every call on its exact signature (shapes, dtypes, scalar values), which
-    admits nothing the guard would let through, and the guard is code the artifact does not carry."""
-    if not isinstance(mod, GraphModule):
-        return set()
-    names = {name for name, child in mod._modules.items() if type(child).__name__ == "GuardsFn"}
-    for n in mod.graph.nodes:
-        if n.op == "call_module" and n.target in names and n.users:
-            names.discard(n.target)  # its result is used: not only a check, store it (or refuse) as it is
-    return names
-
-
 def _graph_enc(graph: Graph, where: str, *, skip: set[str] = frozenset()) -> dict[str, Any]:
     nodes = []
     for n in graph.nodes:

@@ -264,6 +264,40 @@ def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     assert len(flow) == 2 * 3 and all(e.counters.eager == 0 and e.counters.replays > 0 for e in flow.values())
 
 
+def test_two_conversations_on_copied_lanes_are_each_their_solo_run(cfg, step_catalog):
+    """``lanes=2``: lane 1 is a copy of lane 0's rewritten programs (the passes run once). Two seeded
+    sessions interleaved call by call, from two threads, give their solo stock streams' bytes, and
+    the copied lane served calls."""
+    import threading
+
+    from cadence_fx.replay import FakeBackend
+
+    step, _prompt, state, fresh, _contract, eps = step_catalog
+    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
+    prog.warmup(*[fresh[0].get(n) for n in step.inputs])
+    got: dict[int, list] = {}
+    go = threading.Barrier(2)
+
+    def converse(seed: int) -> None:
+        session = prog.session(f"s{seed}", seed=seed)
+        go.wait()
+        got[seed] = run_stream(session, step, state, fresh)
+
+    threads = [threading.Thread(target=converse, args=(s,)) for s in (21, 22)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ref = CatalogReference(eps)
+    for seed in (21, 22):
+        torch.manual_seed(seed)
+        assert_streams_equal(step, contract, run_stream(ref, step, state, fresh), got[seed])
+    # the flow's graphs (on the CPU, HiFT's draws are host randomness: it stays eager)
+    lane1 = [e.counters for k, e in prog.runners().items() if k.startswith("lane1/") and "flow" in k]
+    assert lane1 and sum(c.replays for c in lane1) > 0 and sum(c.eager for c in lane1) == 0
+
+
 @pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
 def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segments):
     """0.1.2 through the fake replay backend, one graph per solver step: at the step clock (each step's

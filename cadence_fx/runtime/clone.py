@@ -1,0 +1,152 @@
+"""A further lane as a copy of the first lane's rewritten programs, instead of a second run of the passes.
+
+The passes are deterministic functions of the exported programs and the contract, so every lane
+would get the same graphs: only the tensors a lane owns differ (its region buffers and workspaces,
+and the module buffers its graphs write, which :func:`~cadence_fx.runtime.lanes.privatize_written_buffers`
+copies afterwards). Running the pipeline per lane spends most of ``optimize``'s time on graph work
+(unlifting, analyses, code generation after each pass) that yields the same graphs again. Copying
+lane 0's modules costs one graph copy and one code generation per module.
+
+What is copied is checked, not assumed: a module that is not a plain graph module or container, a
+hook, an attribute that is neither tensor nor module, or a tensor that views a lane-owned storage
+without being one of the owned tensors themselves raises :class:`NotCopyable`, and the lane is built
+by the passes instead.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+import torch
+from torch.fx import Graph, GraphModule
+from torch.fx._lazy_graph_module import _LazyGraphModule
+
+from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
+
+__all__ = ["MODULE_INTERNALS", "HOOKS", "NotCopyable", "copy_program", "export_guards"]
+
+# nn.Module / GraphModule attributes that hold no program data: regenerated or empty in a copy
+MODULE_INTERNALS = frozenset({
+    "training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_modules", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+    # GraphModule
+    "_graph", "_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec", "_tracer_cls", "_tracer_extras",
+    "meta", "shape_env", "_erase_node_hooks", "_create_node_hooks", "_replace_hooks", "_deepcopy_hooks",
+})
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+# a lazy graph module only defers code generation: the copy generates its code when built
+_PLAIN_GRAPH_MODULES = (GraphModule, _LazyGraphModule)
+
+
+class NotCopyable(Exception):
+    """A rewritten program holds something a lane copy cannot reproduce; the message says what."""
+
+
+def export_guards(mod: torch.nn.Module) -> set[str]:
+    """The children of ``mod`` that are torch.export's input guard (``_guards_fn``, a generated checker
+    of the example shapes the program was specialised to) and are called for no value."""
+    if not isinstance(mod, GraphModule):
+        return set()
+    names = {name for name, child in mod._modules.items() if type(child).__name__ == "GuardsFn"}
+    for n in mod.graph.nodes:
+        if n.op == "call_module" and n.target in names and n.users:
+            names.discard(n.target)  # its result is used: not only a check
+    return names
+
+
+def _plain_graph_module(mod: torch.nn.Module) -> bool:
+    # torch gives every GraphModule instance a class of its own (``GraphModuleImpl``) whose base is the
+    # class it was made as: only plain (or lazy) GraphModules are copied, not subclasses with state of
+    # their own
+    cls = type(mod)
+    if cls.__qualname__.split(".")[-1] == "GraphModuleImpl":  # its __name__ is the class_name given
+        cls = cls.__bases__[0]
+    return cls in _PLAIN_GRAPH_MODULES
+
+
+def _copy_graph(graph: Graph) -> Graph:
+    """The nodes (their meta copied shallowly: the runtime's annotations are read, never written) and
+    the output; the code generator (the pytree signature) is shared, as nothing changes it in place."""
+    new = Graph(tracer_cls=graph._tracer_cls)
+    out = new.graph_copy(graph, {}, return_output_node=True)
+    new._codegen = graph._codegen
+    if out is not None:
+        value, old_output = out
+        node = new.output(value, type_expr=getattr(old_output, "type", None))
+        node.meta = copy.copy(old_output.meta)
+    return new
+
+
+def copy_program(root: GraphModule, rebind: Mapping[int, torch.Tensor], owned: frozenset[int]) -> GraphModule:
+    """A copy of the rewritten program ``root`` (replay runners and random guards unwrapped: the lane
+    installs its own) whose graphs are copies and whose tensors are the same objects, except that a
+    tensor whose ``id`` is in ``rebind`` is replaced by its value there.
+
+    ``owned``: storage pointers of what the source lane owns. A tensor on one of them that ``rebind``
+    does not replace (a view of a region buffer kept as an attribute) would be shared by both lanes:
+    :class:`NotCopyable`.
+    """
+    done: dict[int, torch.nn.Module] = {}
+
+    def tensor(t: torch.Tensor, at: str) -> torch.Tensor:
+        if id(t) in rebind:
+            return rebind[id(t)]
+        if t.untyped_storage().data_ptr() in owned:
+            raise NotCopyable(f"{at} views storage the lane owns without being one of its state tensors")
+        return t
+
+    def copy_module(mod: torch.nn.Module, path: str) -> torch.nn.Module:
+        while isinstance(mod, (ReplayRunner, RandomGuard)):
+            mod = mod.fn
+        if id(mod) in done:
+            return done[id(mod)]
+        at = f"module {path or '<root>'!r}"
+        for hooks in HOOKS:
+            if getattr(mod, hooks, None):
+                raise NotCopyable(f"{at} has {hooks}")
+        if _plain_graph_module(mod):
+            new: torch.nn.Module = GraphModule(torch.nn.Module(), Graph(), class_name=mod.__class__.__name__)
+            new.meta = dict(mod.meta)
+        elif type(mod) is torch.nn.Module:
+            new = torch.nn.Module()
+        else:
+            raise NotCopyable(f"{at} is a {type(mod).__qualname__}; only graph modules and plain containers are copied")
+        done[id(mod)] = new
+        new.training = mod.training
+        for name, p in mod._parameters.items():
+            if p is None:
+                new.register_parameter(name, None)
+                continue
+            q = tensor(p, f"{at} parameter {name!r}")
+            new.register_parameter(name, q if isinstance(q, torch.nn.Parameter)
+                                   else torch.nn.Parameter(q, requires_grad=False))
+        for name, b in mod._buffers.items():
+            new.register_buffer(name, None if b is None else tensor(b, f"{at} buffer {name!r}"),
+                                persistent=name not in mod._non_persistent_buffers_set)
+        for name, v in vars(mod).items():
+            if name in MODULE_INTERNALS:
+                continue
+            if not isinstance(v, torch.Tensor):
+                raise NotCopyable(f"{at} holds attribute {name!r} of type {type(v).__name__}")
+            setattr(new, name, tensor(v, f"{at} attribute {name!r}"))
+        guards = export_guards(mod)
+        for name, child in mod._modules.items():
+            if child is None:
+                new.add_module(name, None)
+            elif name in guards:  # a stateless checker of the example shapes: shared
+                new.add_module(name, child)
+            else:
+                new.add_module(name, copy_module(child, f"{path}.{name}" if path else name))
+        if isinstance(new, GraphModule):
+            assert isinstance(mod, GraphModule)
+            new.graph = _copy_graph(mod.graph)  # generates and compiles the copy's code
+        return new
+
+    out = copy_module(root, "")
+    assert isinstance(out, GraphModule)
+    return out

@@ -1,0 +1,128 @@
+"""Lanes after the first are copies of its rewritten programs: the same graphs, shared weights and
+constants, each lane's own region buffers, workspaces and written scratch; where a program cannot be
+copied, the passes build the lane."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.fx import GraphModule
+
+import cadence_fx as cf
+from cadence_fx import pipeline, program as program_mod
+from cadence_fx.demo_model import DemoConfig
+from cadence_fx.replay import FakeBackend
+from cadence_fx.runtime.clone import NotCopyable, copy_program
+from tests.helpers import demo_catalog, sha256
+
+CFG = DemoConfig()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return demo_catalog(CFG)
+
+
+def _count_pipeline_runs(monkeypatch) -> list[int]:
+    runs: list[int] = []
+    real = pipeline.run_pipeline
+    monkeypatch.setattr(program_mod, "run_pipeline", lambda *a, **k: runs.append(1) or real(*a, **k))
+    return runs
+
+
+def _tensors(gm: GraphModule) -> list[torch.Tensor]:
+    out = []
+    for mod in gm.modules():
+        out += [t for t in mod._parameters.values() if t is not None]
+        out += [t for t in mod._buffers.values() if t is not None]
+        out += [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _stream(prog, model, calls=4):
+    """Four conversations, one call each in turn, on whatever lanes are free: every output's digest."""
+    sessions = [prog.session(f"s{i}") for i in range(4)]
+    states = [[s + 0.01 * i for s in model.initial_state()] for i in range(4)]
+    outs = []
+    for k in range(calls):
+        for i, s in enumerate(sessions):
+            g = torch.Generator().manual_seed(100 * i + k)
+            o = s(torch.randn(1, CFG.chunk, CFG.dim, generator=g), *states[i],
+                  torch.randn(1, CFG.chunk, CFG.dim, generator=g))
+            outs += [t.clone() for t in o]
+            states[i] = list(o[1:])
+    return sha256(outs)
+
+
+@pytest.mark.parametrize("state", [True, False], ids=["regions", "workspaces"])
+def test_further_lanes_copy_the_first_lanes_programs_and_own_what_they_write(setup, monkeypatch, state):
+    model, contract, eps = setup
+    runs = _count_pipeline_runs(monkeypatch)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=3, state=state)
+    assert len(runs) == len(eps)  # the passes ran for lane 0 only
+    lanes = prog.lanes.lanes
+    first = lanes[0]
+    weights = {t.untyped_storage().data_ptr() for e in first.catalog.values() for t in _tensors(e.gm)
+               if not first.writes(t)}
+    for lane in lanes[1:]:
+        assert [k for k in lane.catalog] == [k for k in first.catalog]
+        for (_k, e0), (_k1, e) in zip(first.catalog.items(), lane.catalog.items()):
+            assert e.gm is not e0.gm and e.gm.code == e0.gm.code
+            assert {n: m.code for n, m in e.gm.named_modules() if isinstance(m, GraphModule)} == \
+                {n: m.code for n, m in e0.gm.named_modules() if isinstance(m, GraphModule)}
+            for t in _tensors(e.gm):
+                ptr = t.untyped_storage().data_ptr()
+                # shared: weights and constants; owned: this lane's alone, no other lane's
+                assert ptr in weights or lane.writes(t), "a tensor that is neither shared nor the lane's own"
+                assert not any(other.writes(t) for other in lanes if other is not lane)
+        if not state:
+            assert lane.state.workspaces() and all(
+                torch.equal(w, w0) and w.data_ptr() != w0.data_ptr()
+                for w, w0 in zip(lane.state.workspaces(), first.state.workspaces()))
+    if state:  # sessions (which spread over the lanes) need the state rule
+        # the same bytes as lanes the passes built, call for call
+        monkeypatch.setattr(program_mod.OptimizedProgram, "_copy_first_lane", lambda *a: None)
+        rewritten = cf.optimize(eps, contract, replay=FakeBackend(), lanes=3, state=state)
+        assert len(runs) == 4 * len(eps)
+        assert _stream(prog, model) == _stream(rewritten, model)
+
+
+def test_copy_program_refuses_what_it_cannot_copy():
+    owned = torch.zeros(8)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    gm.kept_view = owned[2:]  # a view of an owned buffer kept as an attribute: the copy would share it
+    with pytest.raises(NotCopyable, match="'kept_view' views storage the lane owns"):
+        copy_program(gm, {}, frozenset({owned.untyped_storage().data_ptr()}))
+    # the owned tensor itself is rebound, and weights are shared
+    gm2 = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    gm2.register_buffer("state", owned)
+    mine = torch.ones(8)
+    copied = copy_program(gm2, {id(owned): mine}, frozenset({owned.untyped_storage().data_ptr()}))
+    assert copied.state is mine and copied.weight is gm2.weight and copied.graph is not gm2.graph
+    x = torch.randn(3, 2)
+    assert torch.equal(copied(x), gm2(x))
+    gm2.register_forward_hook(lambda *a: None)
+    with pytest.raises(NotCopyable, match="_forward_hooks"):
+        copy_program(gm2, {}, frozenset())
+    gm3 = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    gm3.note = "text"
+    with pytest.raises(NotCopyable, match="attribute 'note' of type str"):
+        copy_program(gm3, {}, frozenset())
+
+
+def test_a_lane_that_cannot_be_copied_is_built_by_the_passes(setup, monkeypatch, caplog):
+    model, contract, eps = setup
+    runs = _count_pipeline_runs(monkeypatch)
+
+    def refuse(*_a, **_k):
+        raise NotCopyable("module 'x' holds attribute 'y' of type str")
+
+    monkeypatch.setattr(program_mod, "copy_program", refuse)
+    with caplog.at_level(logging.INFO, logger="cadence_fx"):
+        prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
+    assert len(runs) == 2 * len(eps)
+    assert "lane 1: rewritten by the passes (lane 0's programs cannot be copied: module 'x'" in caplog.text
+    monkeypatch.undo()
+    assert _stream(prog, model) == _stream(cf.optimize(eps, contract, replay=FakeBackend(), lanes=2), model)
