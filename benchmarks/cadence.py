@@ -318,8 +318,11 @@ class BusyWindow(threading.Thread):
             frac, clock = busy_fraction(self.intervals, w_ns, clip), "wall"
         else:
             frac, clock = busy_fraction(self.intervals, w_ns), "span"
+        lo, hi = clip if clock == "wall" else (min(s for s, _e in self.intervals), max(e for _s, e in self.intervals))
+        summed = sum(min(e, hi) - max(s, lo) for s, e in self.intervals if e > lo and s < hi)
+        # summed kernel time over the window: above the union where lanes' kernels overlap
         return dict(busy_fraction=frac, busy_kernels=inside or len(self.intervals), busy_clock=clock,
-                    busy_window=window)
+                    busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo if clock == "span" else w_ns))
 
 
 class NvmlSampler(threading.Thread):
@@ -423,6 +426,7 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     state: dict[int, dict | None] = {i: None for i in mine}
     pcm: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
     records: list[list[float]] = []
+    host_ms: list[float] = []  # per chunk: the session call's host time (launching, not waiting for, its kernels)
     due = [(base + i * period / n, i, 0) for i in mine]
     heapq.heapify(due)
     late_start = max(0.0, time.perf_counter() - base)  # ready after t0: the first arrivals wait for it
@@ -448,6 +452,7 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
             wait = arrive - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
+            t_call = time.perf_counter()
             with (torch.cuda.stream(stream) if stream is not None else _null()):
                 with torch.no_grad():
                     if sessions[i] is None:  # --join-live: the session joins at its first chunk
@@ -457,12 +462,14 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                     if state[i] is None:
                         state[i] = {key: v.to(device, copy=True) for key, v in bench.state0.items()}
                     out = sessions[i](*step.next_args(fresh[i][k], state[i]))
+                t_host = time.perf_counter()  # the call returned: what is left is the device's
                 wav = out[0].to("cpu")  # the PCM on the host: the chunk is ready
             ready = time.perf_counter()
             state[i] = step.carry(out)
             with cond:
                 pcm[i].append(wav)
                 records.append([i, k, arrive - base, ready - base])
+                host_ms.append((t_host - t_call) * 1e3)
                 done[0] += 1
                 if k + 1 < chunks:
                     heapq.heappush(due, (arrive + period, i, k + 1))
@@ -471,11 +478,16 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                     print(f"[N={n}] {done[0]}/{total} chunks", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers or len(prog.lanes.lanes))]
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    reply = dict(gpu=args.worker, records=records, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
+    # CPU seconds of the process per wall second: near 1 with the threads' Python serialized on the GIL
+    host = dict(cpu_per_wall=(time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0),
+                call_p50_ms=harness.percentile(host_ms, 50), call_p99_ms=harness.percentile(host_ms, 99),
+                timeline=timeline(records, period))
+    reply = dict(gpu=args.worker, records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
                  peak_mib=harness.peak_mib(), late_start_s=late_start, counters=prog.counters(),
                  per_session_mib=next((s.nbytes() / 2**20 for s in sessions.values() if s is not None), None),
                  census_mib={k: v / 2**20 for k, v in prog.memory_census().items()})
@@ -485,6 +497,17 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
         if s is not None:
             s.close()
     return reply
+
+
+def timeline(records: list[list[float]], period: float, window: float = 10.0) -> list[list[float]]:
+    """Latency by arrival time: per ``window``-second slice of arrivals, ``[start s, p50 ms, p99 ms,
+    misses]`` (misses: over ``period``), to tell a backlog that builds from a transient."""
+    window = max(window, 10.0 * period)
+    by: dict[int, list[float]] = {}
+    for _i, _k, arrive, ready in records:
+        by.setdefault(int(arrive // window), []).append((ready - arrive) * 1e3)
+    return [[w * window, round(harness.percentile(v, 50), 1), round(harness.percentile(v, 99), 1),
+             sum(x > period * 1e3 for x in v)] for w, v in sorted(by.items())]
 
 
 class _null:
@@ -554,6 +577,16 @@ def child_env(visible: list[str], g: int) -> dict:
     if visible:
         env["CUDA_VISIBLE_DEVICES"] = visible[g]
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return env
+
+
+def worker_env(env: dict, connections: int) -> dict:
+    """An SRc worker's environment: ``CUDA_DEVICE_MAX_CONNECTIONS`` (the device's hardware work queues)
+    set to ``connections`` unless 0. The driver's default is 8 queues; streams beyond that share one
+    and wait on each other's kernels. A worker runs one stream per serving thread and one per lane
+    after the first (more with branches), so 8 lanes alone would need 15."""
+    if connections:
+        env = dict(env, CUDA_DEVICE_MAX_CONNECTIONS=str(connections))
     return env
 
 
@@ -673,7 +706,7 @@ class Run:
         common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
                   "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else [])]
         return [Worker(g, [sys.executable, __file__, "--worker", str(g)] + common + _passthrough(a),
-                       child_env(self.visible, g)) for g in range(k)]
+                       worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
 
     def _serve_cmd(self, n: int, g: int, j: int, t0: float, chunks: int, busy_window: float) -> dict:
         """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
@@ -737,7 +770,9 @@ class Run:
                     parts = [w.receive() for w in grp]
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
-                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams, join_live=a.join_live,
+                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams,
+                               cuda_connections=a.cuda_connections, join_live=a.join_live,
+                               host=[p.get("host") for p in parts],
                                gpu_ids=[w.g for w in grp],
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
                                repeat=rep_i if len(batch) > 1 else None,
@@ -859,6 +894,7 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
                             p99_ms=harness.percentile(pl, 99), misses=sum(x > budget_ms for x in pl),
                             peak_mib=p.get("peak_mib"), busy_fraction=p.get("busy_fraction"),
                             busy_kernels=p.get("busy_kernels"), busy_clock=p.get("busy_clock"),
+                            kernel_sum_fraction=p.get("kernel_sum_fraction"),
                             busy_window=p.get("busy_window"), busy_error=p.get("busy_error")))
     peaks = [p.get("peak_mib") for p in parts]
     busy = [p.get("busy_fraction") for p in parts if p.get("busy_fraction") is not None]
@@ -971,6 +1007,8 @@ def main() -> None:
     ap.add_argument("--blas-streams", type=int, default=None,
                     help="SRc with --branches: how many of each graph's streams may run matrix products (each keeps "
                          "a cuBLAS workspace per lane); default all")
+    ap.add_argument("--cuda-connections", type=int, default=32,
+                    help="CUDA_DEVICE_MAX_CONNECTIONS of the SRc workers (default 32, the most; 0: the driver's 8)")
     ap.add_argument("--scripts", type=int, default=4)
     ap.add_argument("--full-sweep", action="store_true", help="keep sweeping N after the first misses")
     ap.add_argument("--pack", action="store_true",

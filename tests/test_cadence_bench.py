@@ -61,12 +61,24 @@ def test_busy_window_starts_and_stops_in_its_thread_and_clips_on_wall_clock():
     got = w.finish(base)
     assert got.get("busy_error") is None, got
     assert got["busy_clock"] == "wall" and 0.0 <= got["busy_fraction"] <= 1.0
+    assert got["kernel_sum_fraction"] >= got["busy_fraction"]  # the sum counts overlaps, the union once
     assert got["busy_window"][0] == pytest.approx(0.05, abs=0.1)
     assert not torch.autograd.profiler._is_profiler_enabled
     # a run that ends before its window opens: no window, no profiler left running
     late = cadence.BusyWindow(time.perf_counter() + 5, 1.0, device="cpu")
     late.start()
     assert late.finish(time.perf_counter())["busy_error"] == "the run ended before the window"
+
+
+def test_timeline_slices_latency_by_arrival():
+    records = [[0, k, float(k), k + 0.1] for k in range(10)] + [[1, k, 10.0 + k, 11.5 + k] for k in range(10)]
+    got = cadence.timeline(records, 1.0)
+    assert got == [[0.0, 100.0, 100.0, 0], [10.0, 1500.0, 1500.0, 10]]
+
+
+def test_workers_get_more_hardware_queues_unless_told_not_to():
+    assert cadence.worker_env({"A": "1"}, 32) == {"A": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+    assert cadence.worker_env({"A": "1"}, 0) == {"A": "1"}
 
 
 def test_session_lists_per_gpu_count():
@@ -188,6 +200,10 @@ def test_two_fake_gpus_one_process_each(tmp_path):
         assert [p["sessions"] for p in r["per_gpu"]] == [len(range(j, n, g)) for j in range(g)]
         assert sum(p["chunks"] for p in r["per_gpu"]) == r["chunks"]
         assert all(r["session_sha"][str(i)] == rep["solo_sha"][str(i % 2)] for i in range(n))
+    # per worker: the host's share (CPU per wall second, call times) and latency by arrival slice
+    host = rows[("SRc", 2, 4)]["host"]
+    assert len(host) == 2 and all(h["cpu_per_wall"] > 0 and h["call_p50_ms"] > 0 for h in host)
+    assert all(sum(w[3] for w in h["timeline"]) <= rows[("SRc", 2, 4)]["misses"] for h in host)
     # the live joins were measured in the SRc rows, one per session
     assert rows[("SRc", 2, 4)]["join_max_ms"] is not None and rows[("SRc", 2, 4)]["join_window_misses"] is not None
     assert rows[("stock", 2, 2)]["script_sha"] == {"0": [rep["solo_sha"]["0"]], "1": [rep["solo_sha"]["1"]]}
