@@ -387,7 +387,6 @@ def run_worker(args) -> None:
     optimize_s = time.perf_counter() - t0
     del eps
     release_unreferenced(bench.step, prog)
-    bench.state0 = {k: v.cpu() for k, v in bench.state0.items()}
     first = bench.step.fresh(1, bench.spk)[0]
     warm = prog.warmup(*[first.get(n) for n in bench.step.inputs])["seconds"]
     if device == "cuda" and args.busy_window > 0:
@@ -420,9 +419,12 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
         per = (time.perf_counter() - t_join) * 1e3 / len(mine)
         joins = [[i, -1.0, per] for i in mine]
     fresh = {i: _script_tokens(bench, i % cmd["scripts"], chunks) for i in mine}
-    # each session's initial (prompt) state goes to the device when its first chunk is served, as a server
-    # loads a joining conversation's prompt: staged up front for every session, the copies of sessions
-    # not yet served would all be live at once and count in the row's peak as memory per session
+    # each session starts from the prompt's state, which stays on the device (one copy, every session's
+    # prompt is the benchmark's): its first call copies it into the session's own buffers, device to
+    # device, as a server passes a joining conversation's prompt state. Staged per session up front, the
+    # copies would all be live at once and count in the row's peak as memory per session; copied from
+    # the host at each first chunk, 32 prompt states (hundreds of MiB each, from pageable memory) would
+    # queue behind each other in the first second
     state: dict[int, dict | None] = {i: None for i in mine}
     pcm: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
     records: list[list[float]] = []
@@ -460,7 +462,7 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                         sessions[i] = prog.session(f"s{i}", seed=i % cmd["scripts"])
                         joins.append([i, tj - base, (time.perf_counter() - tj) * 1e3])
                     if state[i] is None:
-                        state[i] = {key: v.to(device, copy=True) for key, v in bench.state0.items()}
+                        state[i] = dict(bench.state0)
                     out = sessions[i](*step.next_args(fresh[i][k], state[i]))
                 t_host = time.perf_counter()  # the call returned: what is left is the device's
                 wav = out[0].to("cpu")  # the PCM on the host: the chunk is ready
