@@ -224,7 +224,7 @@ class OptimizedProgram:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """One call of the default session (lane 0, state kept in place between calls)."""
         flat = self.flatten_inputs(args, kwargs)
-        with self.lanes.take(0) as lane:
+        with self.lanes.take(0) as lane, lane.on_stream():  # after a session's call on lane 0 from another stream
             if lane.resident is not self._default:  # a session used lane 0 since: our state was copied out
                 for name, t in self._default.returned.items():
                     i = self._region_index[name]
@@ -379,7 +379,7 @@ class OptimizedProgram:
         for lane in self.lanes.lanes:
             with self.lanes.take(lane.index), lane.state.preserved(self._written_buffers(lane)) as restored, \
                     lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
-                    lane.stream_context(), torch.no_grad():
+                    lane.on_stream(), torch.no_grad():
                 # the largest classes first: the lane's engines stage into one arena, which then
                 # never has to grow for a later class (a grown arena keeps the old one alive)
                 for key, entry in sorted(lane.catalog.items(), key=lambda kv: -_input_bytes(kv[0])):

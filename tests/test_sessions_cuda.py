@@ -66,6 +66,42 @@ def test_sessions_on_lanes_from_threads_are_bit_exact_alone_and_concurrent():
           f"lanes used {sorted(lanes_used)}; counters {c}; per-session {prog.sessions()[0].nbytes()} bytes")
 
 
+def test_a_lane_called_from_two_streams_runs_each_call_after_the_last():
+    """Lane 0 has no stream of its own: each call runs on its caller's stream, and the host hands the
+    lane to the next caller as soon as a call returns, while the device may still be running it (here
+    behind a sleep queued first on the caller's stream). A second caller on another stream must wait
+    for it: its copy-in would otherwise land in the region buffers before the first call's graphs read
+    them. One lane, two sessions, two streams, one thread: each session equals its solo run."""
+    pin_envelope()
+    torch.manual_seed(0)
+    model = StreamingDecoder(CFG).eval().cuda()
+    contract = demo_contract(CFG)
+    eps = export_catalog(model, contract, device="cuda")
+    ref_eps = export_catalog(copy.deepcopy(model), contract, device="cuda")
+    prog = cf.optimize(eps, contract, lanes=1)
+    state0 = [s + 0 for s in model.initial_state(device="cuda")]
+    prog.warmup(*_fresh(0, 0)[:1], *state0, _fresh(0, 0)[1])
+    calls = 4
+    sessions = {1: prog.session("a"), 2: prog.session("b")}
+    streams = {1: torch.cuda.Stream(), 2: torch.cuda.Stream()}
+    state = {s: [x + s * 0.01 for x in state0] for s in (1, 2)}
+    outs: dict[int, list] = {1: [], 2: []}
+    for k in range(calls):
+        for s in (1, 2):
+            with torch.cuda.stream(streams[s]):
+                if s == 1:
+                    torch.cuda._sleep(100_000_000)  # tens of ms of device work ahead of session a's call
+                tok, noise = _fresh(s, k)
+                o = sessions[s](tok, *state[s], noise)
+                outs[s].append([t.clone() for t in live_view(o, LIVE)])
+                state[s] = list(o[1:])
+    torch.cuda.synchronize()
+    for s in (1, 2):
+        solo = _stream(cf.reference(ref_eps), [x + s * 0.01 for x in state0], s, calls, clone_state=True)
+        assert sha256([t for o in outs[s] for t in o]) == solo, f"session {s}"
+    print("\n[sessions-cuda] one lane, two caller streams, the first behind a sleep: both sessions equal their solo runs")
+
+
 class _Draws(torch.nn.Module):
     """A wrapped callable that computes, then draws (as HiFT's sine source does inside the vocoder)."""
 

@@ -10,7 +10,7 @@ serves any session and a joining session captures nothing.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -55,6 +55,8 @@ class Lane:
     def __post_init__(self) -> None:
         # fixed once the lane is built: checked on every session call's outputs
         self._written = self.state.owned_storages() | {s.untyped_storage().data_ptr() for s in self.scratch}
+        self._device = next((t.device for t in self.state.tensors() if t.is_cuda), None)
+        self._previous: tuple[Any, Any] | None = None  # (caller stream, event after its work), lanes without a stream
 
     def writes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` views storage this lane's calls write (regions, workspaces, scratch)."""
@@ -62,9 +64,15 @@ class Lane:
 
     @contextmanager
     def on_stream(self) -> Iterator[None]:
-        """Run the block on the lane's stream, ordered after the caller's stream and before it again."""
+        """Run the block on the lane's stream, ordered after the caller's stream and before it again.
+
+        A lane without a stream of its own (lane 0) runs each call on its caller's stream. The host
+        gives the lane to the next caller as soon as a call returns, while the device may still be
+        running it, so a caller on another stream than the previous one first waits, on the device,
+        for the previous caller's work on the lane: the same region buffers, workspaces and graphs."""
         if self.stream is None:
-            yield
+            with self._after_previous_caller():
+                yield
             return
         caller = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(caller)
@@ -72,8 +80,20 @@ class Lane:
             yield
         caller.wait_stream(self.stream)
 
-    def stream_context(self) -> Any:
-        return nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+    @contextmanager
+    def _after_previous_caller(self) -> Iterator[None]:
+        if self._device is None and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            yield  # nothing of the lane's is on a device: the host orders its calls
+            return
+        caller = torch.cuda.current_stream(self._device)
+        if self._previous is not None and self._previous[0] != caller:
+            caller.wait_event(self._previous[1])
+        try:
+            yield
+        finally:
+            done = torch.cuda.Event()
+            done.record(caller)
+            self._previous = (caller, done)
 
 
 class LanePool:

@@ -92,10 +92,10 @@ class Session:
 
     def _run_on(self, lane: Lane, entry: Entry, flat: list[Any], sources: dict[str, torch.Tensor]) -> Any:
         program = self.program
-        program.evict(lane)
         program.check_entry(entry)
         cuda = any(b.is_cuda for b in self._buffers.values())
         with lane.on_stream(), torch.no_grad():
+            program.evict(lane)  # on the lane's stream: after the default session's last call on it
             if self._done is not None:  # the session's previous call (any lane, any caller stream) came first
                 torch.cuda.current_stream().wait_event(self._done)
             for name, site in entry.sites.items():
