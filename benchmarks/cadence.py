@@ -442,8 +442,14 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
         busy = BusyWindow(start, cmd["busy_window"])
         busy.start()
 
+    lane_streams = {ln.stream.cuda_stream for ln in prog.lanes.lanes if ln.stream is not None}
+    shared = [0]  # serving threads whose stream is also a lane's: their copies queue behind that lane's chunks
+
     def worker() -> None:
         stream = torch.cuda.Stream() if device == "cuda" else None
+        if stream is not None and stream.cuda_stream in lane_streams:
+            with cond:
+                shared[0] += 1
         while True:
             with cond:
                 while not due and done[0] < total:
@@ -487,6 +493,7 @@ def _worker_serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
         t.join()
     # CPU seconds of the process per wall second: near 1 with the threads' Python serialized on the GIL
     host = dict(cpu_per_wall=(time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0),
+                threads_on_lane_streams=shared[0],
                 call_p50_ms=harness.percentile(host_ms, 50), call_p99_ms=harness.percentile(host_ms, 99),
                 timeline=timeline(records, period))
     reply = dict(gpu=args.worker, records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,

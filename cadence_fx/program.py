@@ -31,7 +31,7 @@ from cadence_fx.plan import Plan, plan as make_plan
 from cadence_fx.progress import Progress
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
 from cadence_fx.runtime.clone import NotCopyable, copy_program
-from cadence_fx.runtime.lanes import Entry, Lane, LanePool, privatize_written_buffers
+from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
 from cadence_fx.runtime.sessions import Session
 from cadence_fx.runtime.state import StateStore
@@ -214,7 +214,7 @@ class OptimizedProgram:
         release_stale_workspaces(tables.workspaces)
         stream = None
         if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
-            stream = torch.cuda.Stream(backend.device)
+            stream = torch.cuda.Stream(backend.device, priority=LANE_STREAM_PRIORITY)
         lane = Lane(index, catalog, store, runners, stream=stream, scratch=list(private.values()))
         for t in store.tensors():
             self._owners[t.untyped_storage().data_ptr()] = lane

@@ -203,6 +203,7 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     # per worker: the host's share (CPU per wall second, call times) and latency by arrival slice
     host = rows[("SRc", 2, 4)]["host"]
     assert len(host) == 2 and all(h["cpu_per_wall"] > 0 and h["call_p50_ms"] > 0 for h in host)
+    assert all(h["threads_on_lane_streams"] == 0 for h in host)
     assert all(sum(w[3] for w in h["timeline"]) <= rows[("SRc", 2, 4)]["misses"] for h in host)
     # the live joins were measured in the SRc rows, one per session
     assert rows[("SRc", 2, 4)]["join_max_ms"] is not None and rows[("SRc", 2, 4)]["join_window_misses"] is not None
@@ -210,14 +211,15 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     assert set(rep["limits"]["SRc"]) >= {"1", "2"}
 
 
-def test_plot_series_one_line_per_cell_and_gpu_count():
+def test_plot_series_one_line_per_cell_gpu_count_and_lanes():
     from benchmarks import plot_cadence
 
     rows = [dict(name="SRc", n_sessions=16, p50_ms=80, p99_ms=90, misses=0),  # before multi-GPU: one GPU
             dict(cell="SRc", gpus=2, n_sessions=34, p50_ms=85, p99_ms=95, misses=0, bitexact=True),
             dict(cell="SRc", gpus=2, n_sessions=32, p50_ms=80, p99_ms=90, misses=0, bitexact=True),
             dict(cell="stock", gpus=1, n_sessions=12, p50_ms=300, p99_ms=700, misses=0),
+            dict(cell="SRc", gpus=1, lanes=8, n_sessions=36, p50_ms=120, p99_ms=150, misses=0, bitexact=True),
             dict(cell="stock", gpus=1, n_sessions=14, error="boom")]
     got = plot_cadence.series(rows)
-    assert list(got) == [("SRc", 1), ("SRc", 2), ("stock", 1)]
-    assert [p[0] for p in got[("SRc", 2)]] == [32, 34]
+    assert list(got) == [("SRc", 1, None), ("SRc", 1, 8), ("SRc", 2, None), ("stock", 1, None)]
+    assert [p[0] for p in got[("SRc", 2, None)]] == [32, 34]

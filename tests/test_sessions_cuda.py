@@ -102,6 +102,20 @@ def test_a_lane_called_from_two_streams_runs_each_call_after_the_last():
     print("\n[sessions-cuda] one lane, two caller streams, the first behind a sleep: both sessions equal their solo runs")
 
 
+def test_no_stream_a_caller_makes_is_a_lanes_stream():
+    """Lanes run on streams of PyTorch's high-priority pool: the default-priority streams callers make
+    (handed out round robin, 32 per device) never alias a lane's, so a caller's own copies never queue
+    behind another session's chunk on that lane."""
+    torch.manual_seed(0)
+    model = StreamingDecoder(CFG).eval().cuda()
+    contract = demo_contract(CFG)
+    prog = cf.optimize(export_catalog(model, contract, device="cuda"), contract, lanes=4)
+    lanes = {ln.stream.cuda_stream for ln in prog.lanes.lanes if ln.stream is not None}
+    assert len(lanes) == 3
+    callers = {torch.cuda.Stream().cuda_stream for _ in range(64)}  # twice round the pool
+    assert not lanes & callers
+
+
 class _Draws(torch.nn.Module):
     """A wrapped callable that computes, then draws (as HiFT's sine source does inside the vocoder)."""
 

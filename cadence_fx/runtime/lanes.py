@@ -27,7 +27,14 @@ from cadence_fx.runtime.state import StateStore
 if TYPE_CHECKING:
     from cadence_fx.passes import ProgramFacts
 
-__all__ = ["Entry", "Lane", "LanePool", "privatize_written_buffers"]
+__all__ = ["LANE_STREAM_PRIORITY", "Entry", "Lane", "LanePool", "privatize_written_buffers"]
+
+# Lanes' streams come from PyTorch's pool of high-priority streams. Every ``torch.cuda.Stream()`` a
+# caller makes is handed out round robin from the default-priority pool (32 streams per device): lane
+# streams from that pool would, a few dozen streams later, be handed to a caller's thread as its own
+# stream, and that caller's work (its copies of the outputs, and lane 0's calls, which run on the
+# caller's stream) would queue behind another session's chunk on that lane.
+LANE_STREAM_PRIORITY = -1
 
 
 @dataclass
