@@ -96,9 +96,9 @@ class PointerLog:
 
 
 def check_optimized(step, contract, eps, state, fresh, *, verify: bool, restore=None, seed: int = 0,
-                    replay="auto", warmup: bool = False):
+                    replay="auto", warmup: bool = False, lanes: int = 1):
     """Optimize, stream reference and optimized side by side, check everything; returns both streams."""
-    prog = cf.optimize(eps, contract, verify=verify, replay=replay)
+    prog = cf.optimize(eps, contract, verify=verify, replay=replay, lanes=lanes)
     if warmup:
         prog.warmup(*[fresh[0].get(n) for n in step.inputs])
     ref = CatalogReference(eps)
@@ -264,40 +264,6 @@ def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     assert len(flow) == 2 * 3 and all(e.counters.eager == 0 and e.counters.replays > 0 for e in flow.values())
 
 
-def test_two_conversations_on_copied_lanes_are_each_their_solo_run(cfg, step_catalog):
-    """``lanes=2``: lane 1 is a copy of lane 0's rewritten programs (the passes run once). Two seeded
-    sessions interleaved call by call, from two threads, give their solo stock streams' bytes, and
-    the copied lane served calls."""
-    import threading
-
-    from cadence_fx.replay import FakeBackend
-
-    step, _prompt, state, fresh, _contract, eps = step_catalog
-    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
-    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
-    prog.warmup(*[fresh[0].get(n) for n in step.inputs])
-    got: dict[int, list] = {}
-    go = threading.Barrier(2)
-
-    def converse(seed: int) -> None:
-        session = prog.session(f"s{seed}", seed=seed)
-        go.wait()
-        got[seed] = run_stream(session, step, state, fresh)
-
-    threads = [threading.Thread(target=converse, args=(s,)) for s in (21, 22)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    ref = CatalogReference(eps)
-    for seed in (21, 22):
-        torch.manual_seed(seed)
-        assert_streams_equal(step, contract, run_stream(ref, step, state, fresh), got[seed])
-    # the flow's graphs (on the CPU, HiFT's draws are host randomness: it stays eager)
-    lane1 = [e.counters for k, e in prog.runners().items() if k.startswith("lane1/") and "flow" in k]
-    assert lane1 and sum(c.replays for c in lane1) > 0 and sum(c.eager for c in lane1) == 0
-
-
 @pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
 def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segments):
     """0.1.2 through the fake replay backend, one graph per solver step: at the step clock (each step's
@@ -309,17 +275,47 @@ def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segm
     step, _prompt, state, fresh, contract, eps = step_catalog
     if segments:
         contract = token2wav_contract(cfg, "chunk", driver="0.1.2")  # segments: the default
-    prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
-                                       replay=FakeBackend(), warmup=True)
+    prog, ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
+                                      replay=FakeBackend(), warmup=True, lanes=2 if segments else 1)
     # one engine per solver step and class: the estimator's (step clock) or the CFM loop's segments
     is_step = (lambda k: k.split(":")[-1].startswith("L__self__flow.decoder")) if segments else (  # noqa: E731
         lambda k: ".estimator" in k)
-    estimators = {k: e for k, e in prog.runners().items() if is_step(k)}
+    estimators = {k: e for k, e in prog.runners().items() if is_step(k) and not k.startswith("lane")}
     assert len(estimators) == 3 * cfg.n_timesteps, sorted(prog.runners())
     for eng in estimators.values():
         assert eng.counters.eager == 0 and eng.counters.invalidations == 0 and eng.counters.replays > 0
         # only the step's inputs (x, t, mu, spks, cond: a few KiB) are staged, never a cache
         assert all(r.staging_bytes < 64 << 10 for r in eng.classes.values()), [r.staging_bytes for r in eng.classes.values()]
+    if segments:
+        _two_conversations_on_a_copied_lane(prog, step, contract, eps, state, fresh, ref)
+
+
+def _two_conversations_on_a_copied_lane(prog, step, contract, eps, state, fresh, ref13) -> None:
+    """``lanes=2``: lane 1 is a copy of lane 0's rewritten programs (the passes ran once). Two seeded
+    sessions from two threads give their solo stock streams' bytes, and the copied lane served calls
+    (sessions prefer the lane the default session's state is not resident in)."""
+    import threading
+
+    got: dict[int, list] = {}
+    go = threading.Barrier(2)
+
+    def converse(seed: int) -> None:
+        session = prog.session(f"s{seed}", seed=seed)
+        go.wait()
+        got[seed] = run_stream(session, step, state, fresh)
+
+    threads = [threading.Thread(target=converse, args=(s,)) for s in (13, 21)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.manual_seed(21)
+    solo = {13: ref13, 21: run_stream(CatalogReference(eps), step, state, fresh)}
+    for seed in (13, 21):
+        assert_streams_equal(step, contract, solo[seed], got[seed])
+    # the flow's graphs (on the CPU, HiFT's draws are host randomness: it stays eager)
+    lane1 = [e.counters for k, e in prog.runners().items() if k.startswith("lane1/") and "flow" in k]
+    assert lane1 and sum(c.replays for c in lane1) > 0 and sum(c.eager for c in lane1) == 0
 
 
 def test_full_step_1_0_7(cfg):
