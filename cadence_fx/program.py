@@ -23,14 +23,14 @@ from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.catalog import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
 from cadence_fx.graph_utils import attribute_writes, fetch_attr, numel
-from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts, SharedWorkspace
+from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
 from cadence_fx.passes.hoist_constants import FoldedWeights
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.plan import Plan, plan as make_plan
 from cadence_fx.progress import Progress
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
-from cadence_fx.runtime.clone import NotCopyable, copy_program
+from cadence_fx.runtime.clone import NotCopyable, copy_lane
 from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
 from cadence_fx.runtime.sessions import Session
@@ -133,28 +133,17 @@ class OptimizedProgram:
 
     def _copy_first_lane(self, index: int, store: StateStore, tables: CatalogTables
                          ) -> list[tuple[tuple, GraphModule]] | None:
-        """Lane ``index``'s programs as copies of lane 0's, bound to ``store``'s region buffers and to
-        copies of lane 0's workspaces (registered in ``tables``); None where lane 0's programs cannot be
-        copied (the passes then build the lane) or for lane 0 itself.
-
-        Lane 0 has run no call when the other lanes are built (``_assemble``), so its workspaces still
-        hold what the passes put there, which is what the passes would put in this lane's."""
-        if index == 0 or self.auditor is not None:  # verify mode audits each lane's own pass run
+        """Lane ``index``'s programs as copies of lane 0's (:func:`copy_lane`); None for lane 0, in
+        verify mode (which audits each lane's own pass run), or where lane 0's programs cannot be
+        copied: the passes then build the lane."""
+        if index == 0 or self.auditor is not None:
             return None
-        first = self.lanes.lanes[0]
-        rebind = {id(t): store.region_buffer(name) for name, t in first.state.region_buffers.items()}
-        workspaces = {}
-        for j, w in enumerate(first.state.workspaces()):
-            rebind[id(w)] = w.detach().clone()
-            workspaces[("lane 0", j)] = SharedWorkspace(stock=None, bounds=list(w.shape), tensor=rebind[id(w)])
         try:
-            copies = [(key, copy_program(entry.gm, rebind, first.state.owned_storages()))
-                      for key, entry in self._first_lane]
+            return copy_lane(self.lanes.lanes[0], [(key, e.gm) for key, e in self._first_lane], store,
+                             tables.workspaces)
         except NotCopyable as e:
             log.info("lane %d: rewritten by the passes (lane 0's programs cannot be copied: %s)", index, e)
             return None
-        tables.workspaces.update(workspaces)
-        return copies
 
     def _rewrite(self, index: int, facts: ProgramFacts, tables: CatalogTables) -> tuple[tuple, GraphModule]:
         """Catalog program ``index`` rewritten for one lane: ``(its catalog key, the annotated module)``.

@@ -119,7 +119,7 @@ def test_a_lane_that_cannot_be_copied_is_built_by_the_passes(setup, monkeypatch,
     def refuse(*_a, **_k):
         raise NotCopyable("module 'x' holds attribute 'y' of type str")
 
-    monkeypatch.setattr(program_mod, "copy_program", refuse)
+    monkeypatch.setattr(program_mod, "copy_lane", refuse)
     with caplog.at_level(logging.INFO, logger="cadence_fx"):
         prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
     assert len(runs) == 2 * len(eps)

@@ -16,15 +16,20 @@ by the passes instead.
 from __future__ import annotations
 
 import copy
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 from torch.fx import Graph, GraphModule
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from cadence_fx.passes import SharedWorkspace
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
+from cadence_fx.runtime.state import StateStore
 
-__all__ = ["MODULE_INTERNALS", "HOOKS", "NotCopyable", "copy_program", "export_guards"]
+if TYPE_CHECKING:
+    from cadence_fx.runtime.lanes import Lane
+
+__all__ = ["MODULE_INTERNALS", "HOOKS", "NotCopyable", "copy_lane", "copy_program", "export_guards"]
 
 # nn.Module / GraphModule attributes that hold no program data: regenerated or empty in a copy
 MODULE_INTERNALS = frozenset({
@@ -150,3 +155,22 @@ def copy_program(root: GraphModule, rebind: Mapping[int, torch.Tensor], owned: f
     out = copy_module(root, "")
     assert isinstance(out, GraphModule)
     return out
+
+
+def copy_lane(first: "Lane", programs: Sequence[tuple[tuple, GraphModule]], store: StateStore,
+              workspaces: dict[tuple, SharedWorkspace]) -> list[tuple[tuple, GraphModule]]:
+    """Every program of lane ``first`` (``(key, module)`` in catalog order) copied for another lane:
+    bound to ``store``'s region buffers and to clones of ``first``'s workspaces, which are added to
+    ``workspaces`` (the lane's table) only when every program was copied. Raises :class:`NotCopyable`.
+
+    The first lane has run no call when the others are built, so its workspaces still hold what the
+    passes put there, which is what the passes would put in this lane's."""
+    rebind = {id(t): store.region_buffer(name) for name, t in first.state.region_buffers.items()}
+    clones = {}
+    for j, w in enumerate(first.state.workspaces()):
+        rebind[id(w)] = w.detach().clone()
+        clones[("lane 0", j)] = SharedWorkspace(stock=None, bounds=list(w.shape), tensor=rebind[id(w)])
+    owned = first.state.owned_storages()
+    copies = [(key, copy_program(gm, rebind, owned)) for key, gm in programs]
+    workspaces.update(clones)
+    return copies
