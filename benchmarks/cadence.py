@@ -322,7 +322,7 @@ class BusyWindow(threading.Thread):
         summed = sum(min(e, hi) - max(s, lo) for s, e in self.intervals if e > lo and s < hi)
         # summed kernel time over the window: above the union where lanes' kernels overlap
         return dict(busy_fraction=frac, busy_kernels=inside or len(self.intervals), busy_clock=clock,
-                    busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo if clock == "span" else w_ns))
+                    busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo))
 
 
 class NvmlSampler(threading.Thread):

@@ -169,12 +169,11 @@ class OptimizedProgram:
         copies = self._copy_first_lane(index, store, tables)
         for i, sites in enumerate(self._sites):
             admitted = self._admit(sites, log_refusal=record)
-            facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
-            if copies is not None:
+            if copies is not None:  # lane 0's findings, this lane's region buffers
                 key, gm = copies[i]
-                first_facts = self._first_lane[i][1].facts
-                facts = replace(first_facts, sites=sites, region_buffers=facts.region_buffers)
+                facts = replace(self._first_lane[i][1].facts, sites=sites, region_buffers=dict(store.region_buffers))
             else:
+                facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
                 key, gm = self._rewrite(i, facts, tables)
             # lane 0 runs on the stock module's scratch buffers; the others get their own copies
             privatize_written_buffers(gm, private, clone=index > 0)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from cadence_fx.determinism import bits_equal
+from cadence_fx.streams import StreamHandoff
 
 if TYPE_CHECKING:
     from cadence_fx.branches import BranchPlan
@@ -97,8 +98,7 @@ class CudaGraphBackend:
         # what the graphs of one backend share (the capture stream's cuBLAS workspace, the pool, a lane's
         # staging arena) allows one replay at a time: see exclusive()
         self._lock = threading.RLock()  # re-entrant: a replay inside a replay (a nested fake one) must not deadlock
-        self._events: dict[torch.cuda.Stream, torch.cuda.Event] = {}
-        self._after: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        self._handoff = StreamHandoff()
         self._generator: Any = None  # this backend's GraphGenerator, made at its first capture
 
     def generator(self) -> Any:
@@ -183,18 +183,8 @@ class CudaGraphBackend:
         Programs given one backend may therefore be called from several threads and streams: their
         replays are serialized, never interleaved. Lanes fork backends of their own and run in parallel.
         """
-        with self._lock:
-            stream = torch.cuda.current_stream(self.device)
-            if self._after is not None and self._after[0] != stream:
-                stream.wait_event(self._after[1])
-            try:
-                yield
-            finally:
-                event = self._events.get(stream)
-                if event is None:
-                    event = self._events[stream] = torch.cuda.Event()
-                event.record(stream)
-                self._after = (stream, event)
+        with self._lock, self._handoff.held_on(torch.cuda.current_stream(self.device)):
+            yield
 
     def device_rng_set(self, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, self.device)

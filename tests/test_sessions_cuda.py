@@ -33,16 +33,24 @@ def _stream(fn, state0, seed, calls, *, clone_state):
     return sha256([t for o in outs for t in o])
 
 
-def test_sessions_on_lanes_from_threads_are_bit_exact_alone_and_concurrent():
+def _demo_program(lanes: int, *, warm: bool = True):
+    """The demo decoder on the GPU optimized with ``lanes`` lanes (warmed up), a reference catalog
+    exported from a copy of the model, and the initial state: ``(prog, ref_eps, state0)``."""
     pin_envelope()
     torch.manual_seed(0)
     model = StreamingDecoder(CFG).eval().cuda()
     contract = demo_contract(CFG)
     eps = export_catalog(model, contract, device="cuda")
     ref_eps = export_catalog(copy.deepcopy(model), contract, device="cuda")
-    prog = cf.optimize(eps, contract, lanes=3)
+    prog = cf.optimize(eps, contract, lanes=lanes)
     state0 = [s + 0 for s in model.initial_state(device="cuda")]
-    prog.warmup(*_fresh(0, 0)[:1], *state0, _fresh(0, 0)[1])
+    if warm:
+        prog.warmup(*_fresh(0, 0)[:1], *state0, _fresh(0, 0)[1])
+    return prog, ref_eps, state0
+
+
+def test_sessions_on_lanes_from_threads_are_bit_exact_alone_and_concurrent():
+    prog, ref_eps, state0 = _demo_program(3)
     calls = 12
     solo = {s: _stream(cf.reference(ref_eps), [x + s * 0.01 for x in state0], s, calls, clone_state=True) for s in range(6)}
     alone = _stream(prog.session(), [x + 0.0 for x in state0], 0, calls, clone_state=False)
@@ -72,15 +80,7 @@ def test_a_lane_called_from_two_streams_runs_each_call_after_the_last():
     behind a sleep queued first on the caller's stream). A second caller on another stream must wait
     for it: its copy-in would otherwise land in the region buffers before the first call's graphs read
     them. One lane, two sessions, two streams, one thread: each session equals its solo run."""
-    pin_envelope()
-    torch.manual_seed(0)
-    model = StreamingDecoder(CFG).eval().cuda()
-    contract = demo_contract(CFG)
-    eps = export_catalog(model, contract, device="cuda")
-    ref_eps = export_catalog(copy.deepcopy(model), contract, device="cuda")
-    prog = cf.optimize(eps, contract, lanes=1)
-    state0 = [s + 0 for s in model.initial_state(device="cuda")]
-    prog.warmup(*_fresh(0, 0)[:1], *state0, _fresh(0, 0)[1])
+    prog, ref_eps, state0 = _demo_program(1)
     calls = 4
     sessions = {1: prog.session("a"), 2: prog.session("b")}
     streams = {1: torch.cuda.Stream(), 2: torch.cuda.Stream()}
@@ -106,10 +106,7 @@ def test_no_stream_a_caller_makes_is_a_lanes_stream():
     """Lanes run on streams of PyTorch's high-priority pool: the default-priority streams callers make
     (handed out round robin, 32 per device) never alias a lane's, so a caller's own copies never queue
     behind another session's chunk on that lane."""
-    torch.manual_seed(0)
-    model = StreamingDecoder(CFG).eval().cuda()
-    contract = demo_contract(CFG)
-    prog = cf.optimize(export_catalog(model, contract, device="cuda"), contract, lanes=4)
+    prog, _ref_eps, _state0 = _demo_program(4, warm=False)
     lanes = {ln.stream.cuda_stream for ln in prog.lanes.lanes if ln.stream is not None}
     assert len(lanes) == 3
     callers = {torch.cuda.Stream().cuda_stream for _ in range(64)}  # twice round the pool

@@ -76,7 +76,8 @@ def _plain_graph_module(mod: torch.nn.Module) -> bool:
 
 def _copy_graph(graph: Graph) -> Graph:
     """The nodes (their meta copied shallowly: the runtime's annotations are read, never written) and
-    the output; the code generator (the pytree signature) is shared, as nothing changes it in place."""
+    the output, as ``copy.deepcopy(graph)`` makes them; the code generator (the pytree signature) is
+    shared instead of deep-copied, as nothing changes it in place (and deep-copying its specs warns)."""
     new = Graph(tracer_cls=graph._tracer_cls)
     out = new.graph_copy(graph, {}, return_output_node=True)
     new._codegen = graph._codegen

@@ -23,6 +23,7 @@ from cadence_fx.graph_utils import attribute_writes, fetch_attr
 from cadence_fx.runtime.catalog import Catalog
 from cadence_fx.runtime.runners import RunnerSet
 from cadence_fx.runtime.state import StateStore
+from cadence_fx.streams import StreamHandoff
 
 if TYPE_CHECKING:
     from cadence_fx.passes import ProgramFacts
@@ -63,7 +64,7 @@ class Lane:
         # fixed once the lane is built: checked on every session call's outputs
         self._written = self.state.owned_storages() | {s.untyped_storage().data_ptr() for s in self.scratch}
         self._device = next((t.device for t in self.state.tensors() if t.is_cuda), None)
-        self._previous: tuple[Any, Any] | None = None  # (caller stream, event after its work), lanes without a stream
+        self._handoff = StreamHandoff()  # lanes without a stream: from one caller's stream to the next
 
     def writes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` views storage this lane's calls write (regions, workspaces, scratch)."""
@@ -78,7 +79,10 @@ class Lane:
         running it, so a caller on another stream than the previous one first waits, on the device,
         for the previous caller's work on the lane: the same region buffers, workspaces and graphs."""
         if self.stream is None:
-            with self._after_previous_caller():
+            if self._device is None and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+                yield  # nothing of the lane's is on a device: the host orders its calls
+                return
+            with self._handoff.held_on(torch.cuda.current_stream(self._device)):
                 yield
             return
         caller = torch.cuda.current_stream(self.stream.device)
@@ -86,21 +90,6 @@ class Lane:
         with torch.cuda.stream(self.stream):
             yield
         caller.wait_stream(self.stream)
-
-    @contextmanager
-    def _after_previous_caller(self) -> Iterator[None]:
-        if self._device is None and not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            yield  # nothing of the lane's is on a device: the host orders its calls
-            return
-        caller = torch.cuda.current_stream(self._device)
-        if self._previous is not None and self._previous[0] != caller:
-            caller.wait_event(self._previous[1])
-        try:
-            yield
-        finally:
-            done = torch.cuda.Event()
-            done.record(caller)
-            self._previous = (caller, done)
 
 
 class LanePool:
