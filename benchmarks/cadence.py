@@ -804,47 +804,45 @@ class Run:
         return s
 
     # ------------------------------------------------------------------ stock
-    def run_stock(self, gpus: list[int], sessions: dict[int, list[int]]) -> None:
+    def run_stock(self, gpus: list[int], sessions: dict[int, list[int]], pool: StockPool | None = None) -> None:
+        """Each GPU count's N in turn, on one pool of stock processes per GPU count (``pool``: the first
+        one's, already started)."""
         a = self.args
         for g in gpus:
-            for n in sessions[g]:
-                if self.over_budget("stock", g, n, a.seconds + a.lead + 90):
-                    break
-                row = self._stock_n(g, n)
-                self.add(row)
-                if "error" in row or (row["misses"] and not a.full_sweep):
-                    break
+            if not sessions[g]:
+                continue
+            if pool is None or pool.g != g:
+                if pool is not None:
+                    pool.close()
+                if self.over_budget("stock", g, sessions[g][0], a.seconds + a.lead + 90):
+                    continue
+                pool = StockPool(self, g, max(sessions[g]))
+            try:
+                error = pool.wait_ready()
+                self.meta.setdefault("stock", []).append(pool.facts())
+                if error:
+                    self.add(dict(cell="stock", name="stock", gpus=g, n_sessions=sessions[g][0], error=error))
+                    continue
+                for n in sessions[g]:
+                    if self.over_budget("stock", g, n, a.seconds + a.lead + 15):
+                        break
+                    row = self._stock_n(pool, n)
+                    self.add(row)
+                    if "error" in row or (row["misses"] and not a.full_sweep):
+                        break
+            finally:
+                pool.close()
+                pool = None
 
-    def _stock_n(self, g: int, n: int) -> dict:
+    def _stock_n(self, pool: StockPool, n: int) -> dict:
         a = self.args
-        with tempfile.TemporaryDirectory() as tmp:
-            tmp = Path(tmp)
-            go = tmp / "go"
-            procs = []
-            for i in range(n):
-                cmd = [sys.executable, __file__, "--child", str(i), "--n", str(n), "--go", str(go),
-                       "--out", str(tmp / f"s{i}.json"), "--seconds", str(a.seconds)] + _passthrough(a)
-                with open(tmp / f"s{i}.err", "w") as err:  # a file: nobody reads a pipe while the models build
-                    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
-                                                  env=child_env(self.visible, i % g)))
-            while sum((tmp / f"s{i}.ready").exists() for i in range(n)) < n:  # every model built
-                if any(p.poll() not in (None, 0) for p in procs):
-                    break
-                time.sleep(0.2)
-            t0 = time.time() + a.lead
-            nvml = self._nvml(list(range(g)), t0)
-            (tmp / "go.tmp").write_text(repr(t0))
-            os.replace(tmp / "go.tmp", go)  # whole, or not there
-            for p in procs:
-                p.wait()
-            nvml.stop_at = 0
-            results = []
-            for i, p in enumerate(procs):
-                f = tmp / f"s{i}.json"
-                if p.returncode != 0 or not f.exists():
-                    return dict(cell="stock", name="stock", gpus=g, n_sessions=n,
-                                error=(tmp / f"s{i}.err").read_text()[-3000:])
-                results.append(json.loads(f.read_text()))
+        g = pool.g
+        t0 = time.time() + a.lead
+        nvml = self._nvml(list(range(g)), t0)
+        results = pool.serve(n, t0)
+        nvml.stop_at = 0
+        if isinstance(results, str):
+            return dict(cell="stock", name="stock", gpus=g, n_sessions=n, error=results)
         self.device = self.device or results[0]["device"]
         self.check_solo_device()
         parts = []
@@ -855,8 +853,81 @@ class Run:
                               peak_mib=sum(r["peak_mib"] or 0 for _i, r in mine) if self.visible else None))
         row = merge_row("stock", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
         row.update(nvml.result(), per_session_peak_mib=max((r["peak_mib"] or 0) for r in results) or None,
-                   script_sha=_script_sha(results, a.scripts))
+                   script_sha=_script_sha(results, a.scripts), processes=len(pool.procs),
+                   threads_per_process=pool.threads)
         return row
+
+
+class StockPool:
+    """The stock cell's processes for one GPU count: one per session of its largest N, pinned to the GPUs
+    round robin, each building its model once. A row of N starts the first N of them on one shared t0;
+    the rest stay idle (holding their memory, submitting nothing), so no row after the first waits for
+    models to build. Each process runs its conversation from the prompt state again for every row.
+
+    Started beside the SRc workers' builds when both cells run (``main``), so the models build while the
+    SRc program is exported; idle processes submit no work while the SRc rows run.
+
+    Each process gets ``cpu_count // processes`` intra-op threads (at least 1): the stock step is
+    host-bound, and N processes with a thread per core each would oversubscribe the host N times."""
+
+    def __init__(self, run: Run, g: int, n_max: int) -> None:
+        a = run.args
+        self.g, self.n_max, self.visible = g, n_max, run.visible
+        self.dir = Path(tempfile.mkdtemp(prefix="cadence-stock-"))
+        self.threads = max(1, (os.cpu_count() or 1) // n_max)
+        self.rounds = 0
+        self.t_start = time.monotonic()
+        self.build_s: float | None = None
+        self.procs = []
+        for i in range(n_max):
+            cmd = [sys.executable, __file__, "--child", str(i), "--dir", str(self.dir), "--threads", str(self.threads),
+                   "--seconds", str(a.seconds)] + _passthrough(a)
+            with open(self.dir / f"s{i}.err", "w") as err:  # a file: nobody reads a pipe while the models build
+                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                                   env=child_env(run.visible, i % g)))
+
+    def _dead(self, which) -> str | None:
+        for i in which:
+            if self.procs[i].poll() is not None:
+                return f"stock process {i} exited (rc {self.procs[i].returncode}):\n" + \
+                    (self.dir / f"s{i}.err").read_text()[-3000:]
+        return None
+
+    def wait_ready(self) -> str | None:
+        """Until every model is built; the error of a process that died instead."""
+        while sum((self.dir / f"ready{i}").exists() for i in range(self.n_max)) < self.n_max:
+            if (error := self._dead(range(self.n_max))):
+                return error
+            time.sleep(0.2)
+        if self.build_s is None:
+            self.build_s = time.monotonic() - self.t_start
+        return None
+
+    def serve(self, n: int, t0: float) -> list[dict] | str:
+        """One row: processes ``0..n-1`` run their conversations from ``t0``; their results, or an error."""
+        r, self.rounds = self.rounds, self.rounds + 1
+        go = self.dir / f"go{r}"
+        (self.dir / "go.tmp").write_text(json.dumps(dict(t0=t0, n=n)))
+        os.replace(self.dir / "go.tmp", go)  # whole, or not there
+        outs = [self.dir / f"s{i}-{r}.json" for i in range(n)]
+        while not all(f.exists() for f in outs):
+            if (error := self._dead(range(n))):
+                return error
+            time.sleep(0.2)
+        return [json.loads(f.read_text()) for f in outs]
+
+    def facts(self) -> dict:
+        return dict(gpus=self.g, processes=self.n_max, threads_per_process=self.threads, build_s=self.build_s)
+
+    def close(self) -> None:
+        (self.dir / "stop").write_text("1")
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _script_sha(results: list[dict], scripts: int) -> dict:
@@ -954,33 +1025,50 @@ def run_solo_child(args) -> None:
 
 
 def run_stock_child(args) -> None:
+    """One stock process of a :class:`StockPool`: build the model, say ready, then serve every row whose N
+    includes this process (``go<r>``: t0 and N), one conversation from the prompt state each, until
+    ``stop``."""
     device = _child_setup()
+    if device == "cuda":
+        torch.set_num_threads(args.threads)
     bench = build_bench(args, device)
     step = bench.step
     script = args.child % args.scripts
     chunks = max(1, int(round(args.seconds / args.period)))
     fresh = _script_tokens(bench, script, chunks)
-    Path(args.out).with_suffix(".ready").write_text("1")
-    while not Path(args.go).exists():
-        time.sleep(0.05)
-    t0 = float(Path(args.go).read_text())
-    start = t0 + args.child * args.period / args.n
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(script)
-    st, pcm, records = dict(bench.state0), [], []
-    for k, f in enumerate(fresh):
-        arrive = start + k * args.period
-        wait = arrive - time.time()
-        if wait > 0:
-            time.sleep(wait)
-        with torch.no_grad():
-            out = step.driver_call(*step.next_args(f, st))
-        pcm.append(out[0].cpu())
-        records.append([args.child, k, arrive - t0, time.time() - t0])
-        st = step.carry(out)
-    Path(args.out).write_text(json.dumps(dict(records=records, sha=sha256_tensors(pcm), peak_mib=harness.peak_mib(),
-                                              device=_device_name(device))))
+    d = Path(args.dir)
+    (d / f"ready{args.child}").write_text("1")
+    r = 0
+    while True:
+        go = d / f"go{r}"
+        while not go.exists():
+            if (d / "stop").exists():
+                return
+            time.sleep(0.05)
+        spec = json.loads(go.read_text())
+        r += 1
+        if args.child >= spec["n"]:
+            continue
+        t0 = spec["t0"]
+        start = t0 + args.child * args.period / spec["n"]
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(script)
+        st, pcm, records = dict(bench.state0), [], []
+        for k, f in enumerate(fresh):
+            arrive = start + k * args.period
+            wait = arrive - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            with torch.no_grad():
+                out = step.driver_call(*step.next_args(f, st))
+            pcm.append(out[0].cpu())
+            records.append([args.child, k, arrive - t0, time.time() - t0])
+            st = step.carry(out)
+        tmp = d / f"s{args.child}-{r - 1}.tmp"
+        tmp.write_text(json.dumps(dict(records=records, sha=sha256_tensors(pcm), peak_mib=harness.peak_mib(),
+                                       device=_device_name(device))))
+        os.replace(tmp, d / f"s{args.child}-{r - 1}.json")
 
 
 # --------------------------------------------------------------------------- driver
@@ -1049,8 +1137,8 @@ def main() -> None:
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--solo", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--go", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model == "token2wav":
         dtype_hook(args.dtype)  # fail here, before any process starts, where there is no such path
@@ -1073,6 +1161,11 @@ def main() -> None:
     # the SRc workers build beside the solo runs when SRc comes first; otherwise when its turn comes
     # (they hold their GPU's memory until the SRc cell is over)
     workers = run.start_workers(k) if cells[:1] == ["SRc"] else []
+    # and the stock processes of the first GPU count with stock rows build then too: idle, they submit
+    # nothing while the SRc rows run
+    stock_n = per_gpu_lists(args.stock_sessions, gpus)
+    first = next((g for g in gpus if stock_n[g]), None)
+    pool = StockPool(run, first, max(stock_n[first])) if workers and "stock" in cells and first else None
     try:
         if solo is not None:
             run.finish_solo(*solo)
@@ -1086,13 +1179,16 @@ def main() -> None:
                 for w in workers:
                     w.close()
             elif cell == "stock":
-                run.run_stock(gpus, per_gpu_lists(args.stock_sessions, gpus))
+                run.run_stock(gpus, stock_n, pool)
+                pool = None
             else:
                 raise SystemExit(f"unknown cell {cell!r} (SRc, stock)")
     finally:
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.kill()
+        if pool is not None:
+            pool.close()
     report = run.report()
     print(table(run.rows))
     print("limits: " + json.dumps(report["limits"]))

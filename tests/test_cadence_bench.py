@@ -171,7 +171,7 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     out = tmp_path / "cadence.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc,stock",
            "--gpus", "1,2", "--sessions", "2/4", "--pack",
-           "--warm-seconds", "0.5", "--stock-sessions", "/2", "--seconds", "1.5", "--period", "0.5",
+           "--warm-seconds", "0.5", "--stock-sessions", "/1,2", "--seconds", "1.5", "--period", "0.5",
            "--lanes", "2", "--scripts", "2", "--join-live", "--lead", "0.7", "--json", str(out),
            "--rows", str(tmp_path / "rows.jsonl")]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU layout, also on a GPU host
@@ -179,8 +179,11 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     keys = [(r["cell"], r["gpus"], r["n_sessions"], r.get("repeat")) for r in rep["rows"]]
-    assert keys == [("SRc", 1, 2, 0), ("SRc", 1, 2, 1), ("SRc", 2, 4, None), ("stock", 2, 2, None)], rep["rows"]
-    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 4
+    assert keys == [("SRc", 1, 2, 0), ("SRc", 1, 2, 1), ("SRc", 2, 4, None), ("stock", 2, 1, None),
+                    ("stock", 2, 2, None)], rep["rows"]
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 5
+    # one pool of stock processes (built beside the SRc workers) serves both stock rows
+    assert [(p["gpus"], p["processes"]) for p in rep["setup"]["stock"]] == [(2, 2)]
     # --pack: only rows of one N side by side: N=2 on each worker at once, two independent one-GPU rows
     one = [r for r in rep["rows"] if r["gpus"] == 1]
     assert [r["gpu_ids"] for r in one] == [[0], [1]] and [r["concurrent_n"] for r in one] == [[2], [2]]
