@@ -876,7 +876,7 @@ class StockPool:
         self.dir = Path(tempfile.mkdtemp(prefix="cadence-stock-"))
         self.threads = max(1, (os.cpu_count() or 1) // n_max)
         self.rounds = 0
-        self.t_start = time.monotonic()
+        self.t_start = time.time()
         self.build_s: float | None = None
         self.procs = []
         for i in range(n_max):
@@ -899,8 +899,8 @@ class StockPool:
             if (error := self._dead(range(self.n_max))):
                 return error
             time.sleep(0.2)
-        if self.build_s is None:
-            self.build_s = time.monotonic() - self.t_start
+        if self.build_s is None:  # from the ready files' times: this wait may begin long after the last one
+            self.build_s = max((self.dir / f"ready{i}").stat().st_mtime for i in range(self.n_max)) - self.t_start
         return None
 
     def serve(self, n: int, t0: float) -> list[dict] | str:
