@@ -62,7 +62,7 @@ def main(srcs: list[str], dst: str) -> None:
     model = "demo decoder (smoke run)" if data.get("model") == "demo" else "Token2Wav"
     ax.set_xlabel(f"concurrent conversations ({model}, {dtype}{', ' + device if device else ''})")
     ax.set_ylabel("chunk latency, arrival to PCM on host (ms)")
-    ax.legend(fontsize=6.5, loc="upper left")
+    ax.legend(fontsize=6.5, loc="best")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(dst, dpi=120)
