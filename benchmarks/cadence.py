@@ -1,7 +1,7 @@
 """Conversations per GPU at a real-time cadence: N Token2Wav sessions, one 1 s chunk per second each.
 
-    python benchmarks/cadence.py --cells SRc,stock --gpus 1,2 --sessions 16,17,18/32,34,36 \\
-        --stock-sessions 8,12/16,24 --lanes 4 --json docs/results/cadence-h200.json
+    python benchmarks/cadence.py --cells SRc,stock --gpus 1 --sessions 38,40 --stock-sessions 12,14 \\
+        --lanes 8 --warm-seconds 5 --json docs/results/cadence-h200.json
 
 Released dimensions, random weights, fp32 (``--dtype float16``: the float16 path of the Token2Wav
 build, where this checkout has one), the 0.1.2 driver (flow chunk + trim + stochastic HiFT). Each
@@ -42,7 +42,11 @@ Cells, in one run:
 - ``stock``: the stock driver as it ships serves one conversation per model instance: one process per
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
-  stock step needs).
+  stock step needs). One pool of processes per GPU count (:class:`StockPool`), one per session of its
+  largest N, builds the models once; each row starts the first N of them, the rest idle. When SRc
+  comes first the pool builds beside the SRc workers' export (its idle processes hold their models
+  while the SRc rows run, and submit nothing). Each process gets ``cpu_count // processes`` intra-op
+  threads: N processes with a thread per core each would oversubscribe the host N times.
 
 Exactness: sessions follow ``--scripts`` conversation scripts (token stream and random seed). Before
 any cell, one process per GPU runs its share of the scripts alone through the stock code (the solo
