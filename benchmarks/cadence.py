@@ -43,9 +43,9 @@ Cells, in one run:
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
   stock step needs). One pool of processes per GPU count (:class:`StockPool`), one per session of its
-  largest N, builds the models once; each row starts the first N of them, the rest idle. When SRc
-  comes first the pool builds beside the SRc workers' export (its idle processes hold their models
-  while the SRc rows run, and submit nothing). Each process gets ``cpu_count // processes`` intra-op
+  largest N, builds the models once (when the cell's turn comes: idle stock processes beside the SRc
+  rows slowed them, though they submit nothing); each row starts the first N of them, the rest idle.
+  Each process gets ``cpu_count // processes`` intra-op
   threads: N processes with a thread per core each would oversubscribe the host N times.
 
 Exactness: sessions follow ``--scripts`` conversation scripts (token stream and random seed). Before
@@ -808,19 +808,13 @@ class Run:
         return s
 
     # ------------------------------------------------------------------ stock
-    def run_stock(self, gpus: list[int], sessions: dict[int, list[int]], pool: StockPool | None = None) -> None:
-        """Each GPU count's N in turn, on one pool of stock processes per GPU count (``pool``: the first
-        one's, already started)."""
+    def run_stock(self, gpus: list[int], sessions: dict[int, list[int]]) -> None:
+        """Each GPU count's N in turn, on one pool of stock processes per GPU count."""
         a = self.args
         for g in gpus:
-            if not sessions[g]:
+            if not sessions[g] or self.over_budget("stock", g, sessions[g][0], a.seconds + a.lead + 45):
                 continue
-            if pool is None or pool.g != g:
-                if pool is not None:
-                    pool.close()
-                if self.over_budget("stock", g, sessions[g][0], a.seconds + a.lead + 90):
-                    continue
-                pool = StockPool(self, g, max(sessions[g]))
+            pool = StockPool(self, g, max(sessions[g]))
             try:
                 error = pool.wait_ready()
                 self.meta.setdefault("stock", []).append(pool.facts())
@@ -836,7 +830,6 @@ class Run:
                         break
             finally:
                 pool.close()
-                pool = None
 
     def _stock_n(self, pool: StockPool, n: int) -> dict:
         a = self.args
@@ -868,8 +861,8 @@ class StockPool:
     the rest stay idle (holding their memory, submitting nothing), so no row after the first waits for
     models to build. Each process runs its conversation from the prompt state again for every row.
 
-    Started beside the SRc workers' builds when both cells run (``main``), so the models build while the
-    SRc program is exported; idle processes submit no work while the SRc rows run.
+    Started when the stock cell's turn comes, never beside SRc rows: idle stock processes submit no
+    work, yet their CUDA contexts on the GPU slowed the SRc worker measurably.
 
     Each process gets ``cpu_count // processes`` intra-op threads (at least 1): the stock step is
     host-bound, and N processes with a thread per core each would oversubscribe the host N times."""
@@ -1165,11 +1158,6 @@ def main() -> None:
     # the SRc workers build beside the solo runs when SRc comes first; otherwise when its turn comes
     # (they hold their GPU's memory until the SRc cell is over)
     workers = run.start_workers(k) if cells[:1] == ["SRc"] else []
-    # and the stock processes of the first GPU count with stock rows build then too: idle, they submit
-    # nothing while the SRc rows run
-    stock_n = per_gpu_lists(args.stock_sessions, gpus)
-    first = next((g for g in gpus if stock_n[g]), None)
-    pool = StockPool(run, first, max(stock_n[first])) if workers and "stock" in cells and first else None
     try:
         if solo is not None:
             run.finish_solo(*solo)
@@ -1183,16 +1171,15 @@ def main() -> None:
                 for w in workers:
                     w.close()
             elif cell == "stock":
-                run.run_stock(gpus, stock_n, pool)
-                pool = None
+                # the stock processes start only now: idle beside the SRc rows, their CUDA contexts still
+                # slowed the SRc worker (docs/benchmarks.md, session 14)
+                run.run_stock(gpus, per_gpu_lists(args.stock_sessions, gpus))
             else:
                 raise SystemExit(f"unknown cell {cell!r} (SRc, stock)")
     finally:
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.kill()
-        if pool is not None:
-            pool.close()
     report = run.report()
     print(table(run.rows))
     print("limits: " + json.dumps(report["limits"]))
