@@ -42,10 +42,9 @@ Cells, in one run:
 - ``stock``: the stock driver as it ships serves one conversation per model instance: one process per
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
-  stock step needs). One pool of processes per GPU count (:class:`StockPool`), one per session of its
-  largest N, builds the models once (when the cell's turn comes: idle stock processes beside the SRc
-  rows slowed them, though they submit nothing); each row starts the first N of them, the rest idle.
-  Each process gets ``cpu_count // processes`` intra-op
+  stock step needs). Each row has processes of its own, one per session, built when the row comes
+  (:class:`StockPool`): a stock process left idle on the GPU slowed
+  the rows beside it, though it submits nothing. Each process gets ``cpu_count // processes`` intra-op
   threads: N processes with a thread per core each would oversubscribe the host N times.
 
 Exactness: sessions follow ``--scripts`` conversation scripts (token stream and random seed). Before
@@ -809,27 +808,24 @@ class Run:
 
     # ------------------------------------------------------------------ stock
     def run_stock(self, gpus: list[int], sessions: dict[int, list[int]]) -> None:
-        """Each GPU count's N in turn, on one pool of stock processes per GPU count."""
+        """Each GPU count's N in turn, each row on its own N stock processes: a process left idle on the
+        GPU beside a row slows it (docs/benchmarks.md, session 14), so no row runs beside idle ones."""
         a = self.args
         for g in gpus:
-            if not sessions[g] or self.over_budget("stock", g, sessions[g][0], a.seconds + a.lead + 45):
-                continue
-            pool = StockPool(self, g, max(sessions[g]))
-            try:
-                error = pool.wait_ready()
-                self.meta.setdefault("stock", []).append(pool.facts())
-                if error:
-                    self.add(dict(cell="stock", name="stock", gpus=g, n_sessions=sessions[g][0], error=error))
-                    continue
-                for n in sessions[g]:
-                    if self.over_budget("stock", g, n, a.seconds + a.lead + 15):
-                        break
-                    row = self._stock_n(pool, n)
-                    self.add(row)
-                    if "error" in row or (row["misses"] and not a.full_sweep):
-                        break
-            finally:
-                pool.close()
+            for n in sessions[g]:
+                if self.over_budget("stock", g, n, a.seconds + a.lead + 45):
+                    break
+                pool = StockPool(self, g, n)
+                try:
+                    error = pool.wait_ready()
+                    self.meta.setdefault("stock", []).append(pool.facts())
+                    row = (dict(cell="stock", name="stock", gpus=g, n_sessions=n, error=error) if error
+                           else self._stock_n(pool, n))
+                finally:
+                    pool.close()
+                self.add(row)
+                if "error" in row or (row["misses"] and not a.full_sweep):
+                    break
 
     def _stock_n(self, pool: StockPool, n: int) -> dict:
         a = self.args
@@ -856,13 +852,11 @@ class Run:
 
 
 class StockPool:
-    """The stock cell's processes for one GPU count: one per session of its largest N, pinned to the GPUs
-    round robin, each building its model once. A row of N starts the first N of them on one shared t0;
-    the rest stay idle (holding their memory, submitting nothing), so no row after the first waits for
-    models to build. Each process runs its conversation from the prompt state again for every row.
-
-    Started when the stock cell's turn comes, never beside SRc rows: idle stock processes submit no
-    work, yet their CUDA contexts on the GPU slowed the SRc worker measurably.
+    """The stock cell's processes of one row: ``n_max`` of them, pinned to the GPUs round robin, each
+    building its model; :meth:`serve` starts the first N on one shared t0, each running its conversation
+    from the prompt state (again for every round). The benchmark builds one per row and never keeps one
+    beside SRc rows: an idle process submits no work, yet its CUDA context on the GPU slowed its
+    neighbours measurably (session 14).
 
     Each process gets ``cpu_count // processes`` intra-op threads (at least 1): the stock step is
     host-bound, and N processes with a thread per core each would oversubscribe the host N times."""

@@ -182,8 +182,8 @@ def test_two_fake_gpus_one_process_each(tmp_path):
     assert keys == [("SRc", 1, 2, 0), ("SRc", 1, 2, 1), ("SRc", 2, 4, None), ("stock", 2, 1, None),
                     ("stock", 2, 2, None)], rep["rows"]
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 5
-    # one pool of stock processes serves both stock rows
-    assert [(p["gpus"], p["processes"]) for p in rep["setup"]["stock"]] == [(2, 2)]
+    # each stock row on processes of its own, as many as its sessions (none idle beside it)
+    assert [(p["gpus"], p["processes"]) for p in rep["setup"]["stock"]] == [(2, 1), (2, 2)]
     # --pack: only rows of one N side by side: N=2 on each worker at once, two independent one-GPU rows
     one = [r for r in rep["rows"] if r["gpus"] == 1]
     assert [r["gpu_ids"] for r in one] == [[0], [1]] and [r["concurrent_n"] for r in one] == [[2], [2]]
