@@ -11,7 +11,7 @@
 #   MOSHI_FLAGS="--memory-peak $OUT/moshi-peak.txt" FRAMES=100 scripts/gpu.sh moshi SR,vendor   what each peak holds
 #   scripts/gpu.sh cold [--chunks 4]   cold start: export, optimize, save, then load + capture + first chunk
 #                                      in a fresh process (benchmarks/cold_start.py), about 3 minutes
-#   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 16,17,18/32,34,36 --pack --join-live --seconds 30 \
+#   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 44/84,88 --pack --lanes 8 --warm-seconds 5 \
 #       --time-budget 530   the same on one GPU and on two (nvidia-h200-x2), one process per GPU, a warm stream
 #                           first, each one-GPU N twice side by side (--pack pairs only rows of the same N)
 # Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run),
