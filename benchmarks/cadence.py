@@ -43,7 +43,7 @@ Cells, in one run:
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
   stock step needs). Each row has processes of its own, one per session, built when the row comes
-  (:class:`StockPool`): a stock process left idle on the GPU slowed
+  (:class:`StockRow`): a stock process left idle on the GPU slowed
   the rows beside it, though it submits nothing. Each process gets ``cpu_count // processes`` intra-op
   threads: N processes with a thread per core each would oversubscribe the host N times.
 
@@ -815,24 +815,24 @@ class Run:
             for n in sessions[g]:
                 if self.over_budget("stock", g, n, a.seconds + a.lead + 45):
                     break
-                pool = StockPool(self, g, n)
+                procs = StockRow(self, g, n)
                 try:
-                    error = pool.wait_ready()
-                    self.meta.setdefault("stock", []).append(pool.facts())
+                    error = procs.wait_ready()
+                    self.meta.setdefault("stock", []).append(procs.facts())
                     row = (dict(cell="stock", name="stock", gpus=g, n_sessions=n, error=error) if error
-                           else self._stock_n(pool, n))
+                           else self._stock_n(procs))
                 finally:
-                    pool.close()
+                    procs.close()
                 self.add(row)
                 if "error" in row or (row["misses"] and not a.full_sweep):
                     break
 
-    def _stock_n(self, pool: StockPool, n: int) -> dict:
+    def _stock_n(self, procs: StockRow) -> dict:
         a = self.args
-        g = pool.g
+        g, n = procs.g, procs.n
         t0 = time.time() + a.lead
         nvml = self._nvml(list(range(g)), t0)
-        results = pool.serve(n, t0)
+        results = procs.serve(t0)
         nvml.stop_at = 0
         if isinstance(results, str):
             return dict(cell="stock", name="stock", gpus=g, n_sessions=n, error=results)
@@ -846,72 +846,66 @@ class Run:
                               peak_mib=sum(r["peak_mib"] or 0 for _i, r in mine) if self.visible else None))
         row = merge_row("stock", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
         row.update(nvml.result(), per_session_peak_mib=max((r["peak_mib"] or 0) for r in results) or None,
-                   script_sha=_script_sha(results, a.scripts), processes=len(pool.procs),
-                   threads_per_process=pool.threads)
+                   script_sha=_script_sha(results, a.scripts), threads_per_process=procs.threads)
         return row
 
 
-class StockPool:
-    """The stock cell's processes of one row: ``n_max`` of them, pinned to the GPUs round robin, each
-    building its model; :meth:`serve` starts the first N on one shared t0, each running its conversation
-    from the prompt state (again for every round). The benchmark builds one per row and never keeps one
-    beside SRc rows: an idle process submits no work, yet its CUDA context on the GPU slowed its
-    neighbours measurably (session 14).
+class StockRow:
+    """The stock cell's processes of one row: N of them, one per session, pinned to the GPUs round robin,
+    each building its model; :meth:`serve` starts them all on one shared t0, each running its
+    conversation from the prompt state. Built when the row comes and closed after it, so no row (of
+    either cell) runs beside idle stock processes: an idle process submits no work, yet its CUDA
+    context on the GPU slowed its neighbours measurably (session 14).
 
-    Each process gets ``cpu_count // processes`` intra-op threads (at least 1): the stock step is
-    host-bound, and N processes with a thread per core each would oversubscribe the host N times."""
+    Each process gets ``cpu_count // N`` intra-op threads (at least 1): the stock step is host-bound,
+    and N processes with a thread per core each would oversubscribe the host N times."""
 
-    def __init__(self, run: Run, g: int, n_max: int) -> None:
+    def __init__(self, run: Run, g: int, n: int) -> None:
         a = run.args
-        self.g, self.n_max, self.visible = g, n_max, run.visible
+        self.g, self.n = g, n
         self.dir = Path(tempfile.mkdtemp(prefix="cadence-stock-"))
-        self.threads = max(1, (os.cpu_count() or 1) // n_max)
-        self.rounds = 0
+        self.threads = max(1, (os.cpu_count() or 1) // n)
         self.t_start = time.time()
         self.build_s: float | None = None
         self.procs = []
-        for i in range(n_max):
-            cmd = [sys.executable, __file__, "--child", str(i), "--dir", str(self.dir), "--threads", str(self.threads),
-                   "--seconds", str(a.seconds)] + _passthrough(a)
+        for i in range(n):
+            cmd = [sys.executable, __file__, "--child", str(i), "--n", str(n), "--dir", str(self.dir),
+                   "--threads", str(self.threads), "--seconds", str(a.seconds)] + _passthrough(a)
             with open(self.dir / f"s{i}.err", "w") as err:  # a file: nobody reads a pipe while the models build
                 self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
                                                    env=child_env(run.visible, i % g)))
 
-    def _dead(self, which) -> str | None:
-        for i in which:
-            if self.procs[i].poll() is not None:
-                return f"stock process {i} exited (rc {self.procs[i].returncode}):\n" + \
-                    (self.dir / f"s{i}.err").read_text()[-3000:]
+    def _dead(self) -> str | None:
+        for i, p in enumerate(self.procs):
+            if p.poll() is not None and not (self.dir / f"s{i}.json").exists():
+                return f"stock process {i} exited (rc {p.returncode}):\n" + (self.dir / f"s{i}.err").read_text()[-3000:]
         return None
 
     def wait_ready(self) -> str | None:
         """Until every model is built; the error of a process that died instead."""
-        while sum((self.dir / f"ready{i}").exists() for i in range(self.n_max)) < self.n_max:
-            if (error := self._dead(range(self.n_max))):
+        while sum((self.dir / f"ready{i}").exists() for i in range(self.n)) < self.n:
+            if (error := self._dead()):
                 return error
             time.sleep(0.2)
-        if self.build_s is None:  # from the ready files' times: this wait may begin long after the last one
-            self.build_s = max((self.dir / f"ready{i}").stat().st_mtime for i in range(self.n_max)) - self.t_start
+        self.build_s = max((self.dir / f"ready{i}").stat().st_mtime for i in range(self.n)) - self.t_start
         return None
 
-    def serve(self, n: int, t0: float) -> list[dict] | str:
-        """One row: processes ``0..n-1`` run their conversations from ``t0``; their results, or an error."""
-        r, self.rounds = self.rounds, self.rounds + 1
-        go = self.dir / f"go{r}"
-        (self.dir / "go.tmp").write_text(json.dumps(dict(t0=t0, n=n)))
-        os.replace(self.dir / "go.tmp", go)  # whole, or not there
-        outs = [self.dir / f"s{i}-{r}.json" for i in range(n)]
+    def serve(self, t0: float) -> list[dict] | str:
+        """Every process runs its conversation from ``t0``; their results, or an error."""
+        (self.dir / "go.tmp").write_text(repr(t0))
+        os.replace(self.dir / "go.tmp", self.dir / "go")  # whole, or not there
+        outs = [self.dir / f"s{i}.json" for i in range(self.n)]
         while not all(f.exists() for f in outs):
-            if (error := self._dead(range(n))):
+            if (error := self._dead()):
                 return error
             time.sleep(0.2)
         return [json.loads(f.read_text()) for f in outs]
 
     def facts(self) -> dict:
-        return dict(gpus=self.g, processes=self.n_max, threads_per_process=self.threads, build_s=self.build_s)
+        return dict(gpus=self.g, processes=self.n, threads_per_process=self.threads, build_s=self.build_s)
 
     def close(self) -> None:
-        (self.dir / "stop").write_text("1")
+        (self.dir / "stop").write_text("1")  # a process still waiting for its go (a row that failed) ends
         for p in self.procs:
             try:
                 p.wait(timeout=30)
@@ -1016,9 +1010,8 @@ def run_solo_child(args) -> None:
 
 
 def run_stock_child(args) -> None:
-    """One stock process of a :class:`StockPool`: build the model, say ready, then serve every row whose N
-    includes this process (``go<r>``: t0 and N), one conversation from the prompt state each, until
-    ``stop``."""
+    """One stock process of a :class:`StockRow`: build the model, say ready, wait for the row's t0 (or
+    ``stop``), run one conversation from the prompt state as the stock driver does, write the result."""
     device = _child_setup()
     if device == "cuda":
         torch.set_num_threads(args.threads)
@@ -1029,37 +1022,30 @@ def run_stock_child(args) -> None:
     fresh = _script_tokens(bench, script, chunks)
     d = Path(args.dir)
     (d / f"ready{args.child}").write_text("1")
-    r = 0
-    while True:
-        go = d / f"go{r}"
-        while not go.exists():
-            if (d / "stop").exists():
-                return
-            time.sleep(0.05)
-        spec = json.loads(go.read_text())
-        r += 1
-        if args.child >= spec["n"]:
-            continue
-        t0 = spec["t0"]
-        start = t0 + args.child * args.period / spec["n"]
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        torch.manual_seed(script)
-        st, pcm, records = dict(bench.state0), [], []
-        for k, f in enumerate(fresh):
-            arrive = start + k * args.period
-            wait = arrive - time.time()
-            if wait > 0:
-                time.sleep(wait)
-            with torch.no_grad():
-                out = step.driver_call(*step.next_args(f, st))
-            pcm.append(out[0].cpu())
-            records.append([args.child, k, arrive - t0, time.time() - t0])
-            st = step.carry(out)
-        tmp = d / f"s{args.child}-{r - 1}.tmp"
-        tmp.write_text(json.dumps(dict(records=records, sha=sha256_tensors(pcm), peak_mib=harness.peak_mib(),
-                                       device=_device_name(device))))
-        os.replace(tmp, d / f"s{args.child}-{r - 1}.json")
+    while not (d / "go").exists():
+        if (d / "stop").exists():
+            return
+        time.sleep(0.05)
+    t0 = float((d / "go").read_text())
+    start = t0 + args.child * args.period / args.n
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(script)
+    st, pcm, records = dict(bench.state0), [], []
+    for k, f in enumerate(fresh):
+        arrive = start + k * args.period
+        wait = arrive - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        with torch.no_grad():
+            out = step.driver_call(*step.next_args(f, st))
+        pcm.append(out[0].cpu())
+        records.append([args.child, k, arrive - t0, time.time() - t0])
+        st = step.carry(out)
+    tmp = d / f"s{args.child}.tmp"
+    tmp.write_text(json.dumps(dict(records=records, sha=sha256_tensors(pcm), peak_mib=harness.peak_mib(),
+                                   device=_device_name(device))))
+    os.replace(tmp, d / f"s{args.child}.json")
 
 
 # --------------------------------------------------------------------------- driver
@@ -1128,6 +1114,7 @@ def main() -> None:
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--solo", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
