@@ -43,9 +43,9 @@ Cells, in one run:
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
   stock step needs). Each row has processes of its own, one per session, built when the row comes
-  (:class:`StockRow`): a stock process left idle on the GPU slowed
-  the rows beside it, though it submits nothing. Each process gets ``cpu_count // processes`` intra-op
-  threads: N processes with a thread per core each would oversubscribe the host N times.
+  (:class:`StockRow`): a stock process left idle on the GPU slowed the rows beside it, though it
+  submits nothing. Each process gets ``cpu_count // N`` intra-op threads: N processes with a thread
+  per core each would oversubscribe the host N times.
 
 Exactness: sessions follow ``--scripts`` conversation scripts (token stream and random seed). Before
 any cell, one process per GPU runs its share of the scripts alone through the stock code (the solo
@@ -1152,8 +1152,7 @@ def main() -> None:
                 for w in workers:
                     w.close()
             elif cell == "stock":
-                # the stock processes start only now: idle beside the SRc rows, their CUDA contexts still
-                # slowed the SRc worker (docs/benchmarks.md, session 14)
+                # each row starts its own stock processes (StockRow): none sit idle beside the SRc rows
                 run.run_stock(gpus, per_gpu_lists(args.stock_sessions, gpus))
             else:
                 raise SystemExit(f"unknown cell {cell!r} (SRc, stock)")

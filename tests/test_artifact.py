@@ -225,13 +225,13 @@ def test_verify_mode_is_not_saved(demo, tmp_path):
 def token2wav(tmp_path_factory):
     # the module pytest collected (tests/ is on sys.path): its catalog cache is shared with its tests
     from test_upstream_cpu import CALLS as T2W_CALLS
-    from test_upstream_cpu import SHARED_SEED, full_step_0_1_2
+    from test_upstream_cpu import full_step_0_1_2
 
     from cadence_fx.adapters.token2wav import Token2WavConfig, token2wav_contract
 
     cfg = Token2WavConfig.reduced()
     # the catalog the upstream tests share (exported with the estimator visible), at the chunk clock
-    step, _prompt, state, fresh, _step_contract, eps = full_step_0_1_2(cfg, "step", seed=SHARED_SEED)
+    step, _prompt, state, fresh, _step_contract, eps = full_step_0_1_2(cfg)
     contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
     assert len(fresh) == T2W_CALLS
     # eager (replay is the demo tests' concern; capture on the CPU costs more calls than the stream)

@@ -182,39 +182,33 @@ def test_encoder_1_0_7_trim_is_not_one_region(cfg):
 
 
 # --------------------------------------------------------------------------- (c) the full step
-_CATALOGS: dict[tuple, tuple] = {}
-SHARED_SEED = 7  # the one 0.1.2 export of the session: the full-step, replay and artifact tests
+_CATALOGS: dict[str, tuple] = {}
 
 
-def full_step_0_1_2(cfg, granularity: str, *, seed: int):
-    """The 0.1.2 step with HiFT from the prompt, its contract at ``granularity`` and its exported catalog.
+def full_step_0_1_2(cfg):
+    """The 0.1.2 step with HiFT from the prompt, its step-clock contract and its catalog, exported with
+    the estimator visible (the "step" routing), which serves the chunk clock too.
 
-    One export per ``(cfg, granularity, seed)`` for the whole session (the tests that can share one ask
-    for ``"step", SHARED_SEED``): the export is the slow part on the CPU, and callers only read what it
-    returns."""
-    key = (repr(cfg), granularity, seed)
+    One export per ``cfg`` for the whole session, shared by the full-step, replay and artifact tests:
+    the export is the slow part on the CPU, and callers only read what it returns. (The chunk-routed
+    export is the example's and the float16 test's.)"""
+    key = repr(cfg)
     if key not in _CATALOGS:
-        _CATALOGS[key] = _full_step_0_1_2(cfg, granularity, seed=seed)
+        up = upstream("0.1.2")
+        step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+        prompt = example_prompt(cfg)
+        state = step.setup(*prompt)
+        fresh = step.fresh(CALLS, prompt[2], seed=7)
+        contract = token2wav_contract(cfg, "step", driver="0.1.2")
+        eps = export_step_catalog(step, state, fresh, contract, granularity="step")
+        _CATALOGS[key] = step, prompt, state, fresh, contract, eps
     return _CATALOGS[key]
-
-
-def _full_step_0_1_2(cfg, granularity: str, *, seed: int):
-    up = upstream("0.1.2")
-    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
-    prompt = example_prompt(cfg)
-    state = step.setup(*prompt)
-    fresh = step.fresh(CALLS, prompt[2], seed=seed)
-    contract = token2wav_contract(cfg, granularity, driver="0.1.2")
-    eps = export_step_catalog(step, state, fresh, contract, granularity=granularity)
-    return step, prompt, state, fresh, contract, eps
 
 
 def test_full_step_0_1_2(cfg):
     """Flow chunk + both trims + HiFT (mel/source/speech caches, fade, device randomness), chunk clock,
     verify mode, and a mid-stream rollback to an earlier snapshot (foreign tensors copied in)."""
-    # the catalog exported with the estimator visible serves the chunk clock too (the export the replay
-    # tests and test_artifact share; the chunk-routed export is the example's and the float16 test's)
-    step, (ptok, pmel, spk), state, fresh, _step_contract, eps = full_step_0_1_2(cfg, "step", seed=SHARED_SEED)
+    step, (ptok, pmel, spk), state, fresh, _step_contract, eps = full_step_0_1_2(cfg)
     contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
     assert len(eps) == 3
 
@@ -251,7 +245,7 @@ def test_full_step_0_1_2(cfg):
 def step_catalog(cfg):
     """The 0.1.2 step exported with the estimator visible (the "step" routing): one catalog serves both
     clocks, so the replay tests below share one export (the slow part on the CPU)."""
-    return full_step_0_1_2(cfg, "step", seed=SHARED_SEED)
+    return full_step_0_1_2(cfg)
 
 
 def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
