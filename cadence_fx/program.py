@@ -11,6 +11,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import replace
 from typing import Any, Literal, Sequence
 
@@ -32,9 +33,12 @@ from cadence_fx.progress import Progress
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
 from cadence_fx.runtime.clone import NotCopyable, copy_lane
 from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
-from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
+from cadence_fx.runtime import owners
+from cadence_fx.runtime.rng import RngStates, draw_random
+from cadence_fx.runtime.runners import RandomGuard, ReplayRunner, RunnerSet, install_runners, isolate_randomness
 from cadence_fx.runtime.sessions import Session
 from cadence_fx.runtime.state import StateStore
+from cadence_fx.runtime.transaction import UndoLog
 
 log = logging.getLogger("cadence_fx")
 
@@ -108,9 +112,11 @@ class OptimizedProgram:
         # hoisted constants and weight digests are shared by every lane; workspaces are per lane
         self._shared = CatalogTables()
         self._stats: dict[str, Any] = {"calls": 0, "not_admitted": 0, "passes": {}}
-        self._sessions: dict[int, Session] = {}
-        self._owners: dict[int, Any] = {}
+        # held weakly: a session dropped without close() is reclaimed with its buffers
+        self._sessions: "weakref.WeakValueDictionary[int, Session]" = weakref.WeakValueDictionary()
+        self._lane_owner = _NoReturned()  # lanes after the first: no state is ever returned from them
         self._session_lock = threading.Lock()
+        self._session_count = 0
         self._writes_by_lane: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
         self._first_lane: list[tuple[tuple, Entry]] = []  # lane 0's programs in catalog order: what lanes copy
 
@@ -125,6 +131,8 @@ class OptimizedProgram:
                 self.lanes.add(self._build_lane(len(self.lanes.lanes), backend, bar=bar))
         self._default = _DefaultState(lane0)
         lane0.resident = self._default
+        for lane in self.lanes.lanes:
+            owners.register(self._default if lane.index == 0 else self._lane_owner, lane.state.tensors())
         self.state = lane0.state
         self.catalog = lane0.catalog
 
@@ -204,42 +212,76 @@ class OptimizedProgram:
         if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
             stream = torch.cuda.Stream(backend.device, priority=LANE_STREAM_PRIORITY)
         lane = Lane(index, catalog, store, runners, stream=stream, scratch=list(private.values()))
-        for t in store.tensors():
-            self._owners[t.untyped_storage().data_ptr()] = lane
         return lane
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """One call of the default session (lane 0, state kept in place between calls)."""
+        """One call of the default session (lane 0, state kept in place between calls).
+
+        A call that raises leaves the state as before it: the regions' bytes, the state the next call
+        accepts in place, the random generators (:class:`cadence_fx.runtime.transaction.UndoLog`)."""
         flat = self.flatten_inputs(args, kwargs)
         with self.lanes.take(0) as lane, lane.on_stream():  # after a session's call on lane 0 from another stream
-            if lane.resident is not self._default:  # a session used lane 0 since: our state was copied out
-                for name, t in self._default.returned.items():
-                    i = self._region_index[name]
-                    if flat[i] is t:
-                        flat[i] = self._default.evicted.get(name, t)
-                lane.state.forget_returned()
-                lane.resident = self._default
             entry = lane.catalog.lookup(flat)
             self.check_entry(entry)
-            if self.state_rule:
-                for name, site in entry.sites.items():
-                    i = self._region_index[name]
-                    flat[i] = lane.state.adopt(name, flat[i], site)
-            self._stats["calls"] += 1
-            if self.auditor is not None:
-                self.auditor.call += 1
-            # A streaming step is inference: recording autograd history would make capture impossible
-            # and changes no value, so the optimized program never records it.
-            with torch.no_grad():
-                out = entry.gm(*flat)
-            if self.state_rule:
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                for name, site in entry.sites.items():
-                    lane.state.returned(name, outs[site.region.output])
-                self._default.returned = lane.state.last_returned()
+            evicted = lane.resident is not self._default  # a session used lane 0 since: our state was copied out
+            returned = lane.state.last_returned()
+            undo = None if evicted else UndoLog(self._undo_views(lane))
+            rng = RngStates.current() if self._draws(entry) else None
+            try:
+                out = self._call_default(lane, entry, flat, evicted)
+            except BaseException:
+                if undo is not None:
+                    undo.rollback()
+                lane.state.set_returned(returned)
+                if rng is not None:
+                    rng.install()
+                raise
+            if evicted:
+                lane.resident = self._default
                 self._default.evicted = {}
+            if self.state_rule:
+                self._default.returned = lane.state.last_returned()
             return out
+
+    def _call_default(self, lane: Lane, entry: Entry, flat: list[Any], evicted: bool) -> Any:
+        if evicted:
+            for name, t in self._default.returned.items():
+                i = self._region_index[name]
+                if flat[i] is t:
+                    flat[i] = self._default.evicted.get(name, t)
+            lane.state.forget_returned()
+        if self.state_rule:
+            for name, site in entry.sites.items():
+                i = self._region_index[name]
+                flat[i] = lane.state.adopt(name, flat[i], site)
+        self._stats["calls"] += 1
+        if self.auditor is not None:
+            self.auditor.call += 1
+        # A streaming step is inference: recording autograd history would make capture impossible
+        # and changes no value, so the optimized program never records it.
+        with torch.no_grad():
+            out = entry.gm(*flat)
+        if self.state_rule:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for name, site in entry.sites.items():
+                lane.state.returned(name, outs[site.region.output])
+        return out
+
+    def _undo_views(self, lane: Lane) -> dict[str, torch.Tensor]:
+        """What a default call may overwrite of the state before it: the views the last call returned
+        and the module tensors the programs carry from call to call."""
+        views = dict(lane.state.last_returned())
+        views.update({f"module:{n}": t for n, t in self.undeclared_state(lane).items()})
+        return views
+
+    def _draws(self, entry: Entry) -> bool:
+        """Whether the entry's program draws randomness (a failed call's draws are undone)."""
+        if entry.draws is None:
+            entry.draws = any(isinstance(m, RandomGuard) or (isinstance(m, ReplayRunner) and m.random)
+                              for m in entry.gm.modules()) or \
+                any(n.target is draw_random for n in entry.gm.graph.nodes if n.op == "call_function")
+        return entry.draws
 
     def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
         """Positional and keyword inputs as one list in the exported programs' input order."""
@@ -294,10 +336,10 @@ class OptimizedProgram:
             raise ContractError("sessions need the state rule (optimize(..., state=True))")
         self._refuse_undeclared_state("sessions")
         with self._session_lock:
-            s = Session(self, name or f"session-{len(self._sessions)}", seed=seed)
+            s = Session(self, name or f"session-{self._session_count}", seed=seed)
+            self._session_count += 1
             self._sessions[id(s)] = s
-            for ptr in s.storages():
-                self._owners[ptr] = s
+            owners.register(s, s.buffers())
         return s
 
     def sessions(self) -> list[Session]:
@@ -307,21 +349,13 @@ class OptimizedProgram:
     def forget_session(self, session: Session) -> None:
         with self._session_lock:
             self._sessions.pop(id(session), None)
-            for ptr in session.storages():
-                self._owners.pop(ptr, None)
+            owners.unregister(session, session.buffers())
 
     def new_region_buffers(self) -> dict[str, torch.Tensor]:
         """Fresh, demand-sized region buffers (a session's own)."""
         first = self._sites[0]
         return {rp.name: torch.zeros(numel(rp.session_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
                 for rp in self.plan.regions}
-
-    def owner_of(self, t: torch.Tensor) -> Any:
-        """The session (or the default session) whose buffers ``t`` is a view of, if any."""
-        owner = self._owners.get(t.untyped_storage().data_ptr())
-        if isinstance(owner, Lane):
-            return self._default if owner.index == 0 else _NoReturned()
-        return owner
 
     def evict(self, lane: Lane) -> None:
         """Before a session runs on ``lane``: copy out the default session's state resident there."""

@@ -46,6 +46,7 @@ class Entry:
     sites: dict[str, RegionSite]
     facts: "ProgramFacts"
     admitted: bool
+    draws: bool | None = None  # whether the program draws randomness (worked out at its first call)
 
 
 @dataclass
@@ -109,13 +110,14 @@ class LanePool:
     def take(self, index: int | None = None, *, prefer_unoccupied: bool = False) -> Iterator[Lane]:
         """A free lane (or lane ``index``), held for the block; waits while none is free.
 
-        ``prefer_unoccupied``: take a lane no session's state is resident in when one is free (the
-        default session's state stays in lane 0 until a session needs that lane)."""
+        ``prefer_unoccupied``: take only lanes no state is resident in (the default session's stays in
+        lane 0 between its calls, and the views it returned must keep their bytes), waiting for one
+        while all are busy; only a program of one lane evicts the resident state."""
         with self._free:
             while True:
                 free = [ln for ln in self.lanes if ln.index not in self._busy and (index is None or ln.index == index)]
-                if prefer_unoccupied:
-                    free.sort(key=lambda ln: ln.resident is not None)
+                if prefer_unoccupied and any(ln.resident is None for ln in self.lanes):
+                    free = [ln for ln in free if ln.resident is None]
                 pick = free[0] if free else None
                 if pick is not None:
                     self._busy.add(pick.index)

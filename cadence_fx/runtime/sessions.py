@@ -22,7 +22,10 @@ import torch
 from cadence_fx.binding import RegionSite
 from cadence_fx.runtime.lanes import Entry, Lane, LanePool
 from cadence_fx.runtime.rng import RngStates, SessionRng, session_rng
-from cadence_fx.runtime.state import StaleState, copy_into, stale_message, state_to
+from cadence_fx.runtime.errors import StateMismatch
+from cadence_fx.runtime.owners import resolve_source
+from cadence_fx.runtime.state import copy_into, state_target, state_to
+from cadence_fx.runtime.transaction import commit_copies, deferred_signals
 
 class SessionHost(Protocol):
     """What a session needs from the program that hands it out (the façade implements it)."""
@@ -35,7 +38,6 @@ class SessionHost(Protocol):
     def check_entry(self, entry: Entry) -> None: ...
     def input_index(self, region: str) -> int: ...
     def region_sites(self) -> dict[str, RegionSite]: ...
-    def owner_of(self, t: torch.Tensor) -> Any: ...
     def evict(self, lane: Lane) -> None: ...
     def forget_session(self, session: "Session") -> None: ...
 
@@ -77,6 +79,9 @@ class Session:
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """One call of the conversation. A call that raises (bad input, out of memory, an interrupt)
+        leaves the session exactly as before it: its regions, its random streams, the state it
+        accepts in place (:mod:`cadence_fx.runtime.transaction`)."""
         with self._lock:
             if self.closed:
                 raise SessionClosed(f"session {self.name!r} is closed")
@@ -84,9 +89,14 @@ class Session:
             sources: dict[str, torch.Tensor] = {}
             key, entry = self.program.lookup(flat)
             for name, site in entry.sites.items():
-                sources[name] = self._source(name, flat[self.program.input_index(name)], site)
-            with self.program.lanes.take(prefer_unoccupied=True) as lane:
-                out = self._run_on(lane, lane.catalog[key], flat, sources)
+                sources[name] = resolve_source(name, flat[self.program.input_index(name)], site.region.input)
+            rng_before = self.rng.states  # a draw replaces the states object, never changes it in place
+            try:
+                with self.program.lanes.take(prefer_unoccupied=True) as lane:
+                    out = self._run_on(lane, lane.catalog[key], flat, sources)
+            except BaseException:
+                self.rng.states = rng_before
+                raise
             self.calls += 1
             return out
 
@@ -103,37 +113,34 @@ class Session:
             with session_rng(self.rng):
                 out = entry.gm(*flat)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            state_outs = set()
+            # everything that can fail comes before the commit: the session's buffers are untouched
+            # until then, the lane's are scratch for this call
+            state_outs, dsts, srcs, returned = set(), [], [], {}
             for name, site in entry.sites.items():
                 j = site.region.output
-                outs[j] = copy_into(self._buffers[name], name, outs[j], site, layout=False)
-                self._returned[name] = outs[j]
+                view, src = state_target(self._buffers[name], name, outs[j], site, layout=False)
+                dsts.append(view)
+                srcs.append(src)
+                returned[name] = outs[j] = view
                 state_outs.add(j)
             # an output that views what the lane writes (a workspace) would change under the next
             # session's call on this lane: the session gets its own copy
             for j, t in enumerate(outs):
                 if j not in state_outs and isinstance(t, torch.Tensor) and lane.writes(t):
                     outs[j] = t.clone()
-            if cuda:
-                self._done = torch.cuda.Event()
-                self._done.record()
+            done = torch.cuda.Event() if cuda else None
+            with deferred_signals():  # the commit: one copy operator, then the record of it
+                commit_copies(dsts, srcs)
+                self._returned = returned
+                if done is not None:
+                    done.record()
+                    self._done = done
         if lane.stream is not None:  # outputs allocated on the lane's stream are read on the caller's
             caller = torch.cuda.current_stream(lane.stream.device)
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                     t.record_stream(caller)
         return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
-
-    def _source(self, name: str, arg: Any, site: RegionSite) -> torch.Tensor:
-        """Where a state input's bytes are: checked against every buffer the program's sessions own."""
-        if not isinstance(arg, torch.Tensor):
-            raise TypeError(f"region {name!r}: expected a tensor for input {site.region.input!r}, got {type(arg)}")
-        owner = self.program.owner_of(arg)
-        if owner is None:
-            return arg  # a foreign tensor: a prompt's state, a snapshot, a clone
-        if any(arg is t for t in owner.last_returned().values()):
-            return owner.current_bytes(arg)  # the current state of this session or another: copied in
-        raise StaleState(stale_message(name, site.region.input))
 
     # ------------------------------------------------------------------ what the program asks
     def last_returned(self) -> dict[str, torch.Tensor]:
@@ -142,8 +149,9 @@ class Session:
     def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
         return returned
 
-    def storages(self) -> list[int]:
-        return [b.untyped_storage().data_ptr() for b in self._buffers.values()]
+    def buffers(self) -> list[torch.Tensor]:
+        """The session's own region buffers (empty once closed)."""
+        return list(self._buffers.values())
 
     # ------------------------------------------------------------------ turn boundaries
     def snapshot(self, device: torch.device | str | None = None) -> Snapshot:
@@ -154,26 +162,46 @@ class Session:
             return Snapshot(state, self.rng.states.clone())
 
     def restore(self, snapshot: Snapshot) -> dict[str, torch.Tensor]:
-        """Put the session back to ``snapshot``; returns the state to feed to the next call (by region name)."""
+        """Put the session back to ``snapshot``; returns the state to feed to the next call (by region name).
+
+        The snapshot is checked whole before anything is written (its regions are this program's, each
+        of the region's dtype and shape: :class:`StateMismatch` otherwise), then copied in as one
+        operator: a restore that raises leaves the session as it was."""
         with self._lock:
             self._check_open()
+            if not isinstance(snapshot, Snapshot):
+                raise TypeError(f"restore takes a Snapshot (from Session.snapshot), got {type(snapshot).__name__}")
             sites = self.program.region_sites()
+            unknown = sorted(set(snapshot.state) - set(sites))
+            if unknown:
+                raise StateMismatch(f"session {self.name!r}: the snapshot holds region(s) {unknown}, which this "
+                                    f"program does not have (its regions: {sorted(sites)}); a snapshot of another "
+                                    f"model or contract")
+            targets = {}
             for name, t in snapshot.state.items():
-                self._returned[name] = copy_into(self._buffers[name], name, t, sites[name], layout=False)
-            if snapshot.rng is not None:
-                self.rng.states = snapshot.rng.clone()
+                if not isinstance(t, torch.Tensor):
+                    raise StateMismatch(f"session {self.name!r}: region {name!r} of the snapshot is a "
+                                        f"{type(t).__name__}, not a tensor")
+                targets[name] = state_target(self._buffers[name], name, t, sites[name], layout=False)
+            rng = snapshot.rng.clone() if snapshot.rng is not None else None
+            with deferred_signals():
+                commit_copies([v for v, _ in targets.values()], [src for _, src in targets.values()])
+                self._returned = {name: v for name, (v, _) in targets.items()}
+                if rng is not None:
+                    self.rng.states = rng
             return dict(self._returned)
 
     def close(self) -> None:
-        """Release the session's buffers; later calls raise :class:`SessionClosed`."""
+        """Release the session: later calls raise :class:`SessionClosed`. Its buffers are freed once
+        no view of them is left: a state view the caller still holds keeps its bytes (memory is never
+        freed under a live tensor)."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
             self.program.forget_session(self)
-            self._returned.clear()
-            for b in self._buffers.values():
-                b.untyped_storage().resize_(0)
+            self._returned = {}
+            self._buffers = {}
 
     def nbytes(self) -> int:
         """Device bytes this session holds (its region buffers)."""

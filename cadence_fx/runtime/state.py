@@ -18,24 +18,15 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from cadence_fx.binding import RegionSite
+from cadence_fx.runtime.errors import StaleState, StateMismatch, stale_message
+from cadence_fx.runtime.owners import resolve_source
 
-__all__ = ["StaleState", "StateCounts", "StateStore", "copy_into", "copy_state", "stale_message", "state_to"]
+__all__ = ["StaleState", "StateCounts", "StateMismatch", "StateStore", "copy_into", "copy_state", "stale_message",
+           "state_target", "state_to"]
 
 # A copy between devices into or out of a non-contiguous view stages the whole view through a
 # contiguous temporary on the device; slices of at most this many bytes keep that temporary small.
 _COPY_SLICE_BYTES = 32 << 20
-
-
-class StaleState(RuntimeError):
-    """A state input that is a view of a region buffer other than the state the last call returned."""
-
-
-def stale_message(name: str, input_name: str) -> str:
-    return (f"region {name!r}: input {input_name!r} is a view of a region buffer but not the state the last "
-            f"call returned (a state kept from an older call, or a view of one). Its bytes were overwritten "
-            f"when a later call wrote the region in place. Feed back the state each call returns as it is; "
-            f"to keep a state for later (a retry, a rewind), clone it when it is returned (or take a session "
-            f"snapshot) and pass the copy.")
 
 
 @dataclass
@@ -87,15 +78,16 @@ class StateStore:
         """The tensor the graph reads region ``name`` from: ``arg`` itself when it is the state the
         last call returned, else a view of the buffer that ``arg`` was copied into."""
         buf = self._buffers[name]
-        if not isinstance(arg, torch.Tensor):
-            raise TypeError(f"region {name!r}: expected a tensor for input {site.region.input!r}, got {type(arg)}")
-        if arg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+        if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
             if arg is self._returned.get(name):
                 self.counts.in_place += 1
                 return arg
             raise StaleState(stale_message(name, site.region.input))
+        # another owner's buffer (a session's, another lane's, another program's): its current state is
+        # copied in, an older view of it refused
+        src = resolve_source(name, arg, site.region.input)
         self.counts.adopted += 1
-        return copy_into(buf, name, arg, site)
+        return copy_into(buf, name, src, site)
 
     def trusted_view(self, name: str, site: RegionSite) -> torch.Tensor:
         """A view of the buffer as the state input of ``site``, accepted in place (warm-up's inputs)."""
@@ -114,6 +106,10 @@ class StateStore:
 
     def forget_returned(self) -> None:
         self._returned.clear()
+
+    def set_returned(self, returned: Mapping[str, torch.Tensor]) -> None:
+        """Put back the record of what the last call returned (a call that raised undoes its own)."""
+        self._returned = dict(returned)
 
     # ------------------------------------------------------------------ warm-up
     @contextmanager
@@ -150,15 +146,36 @@ def copy_into(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite,
 
     ``layout=False`` for a session's own buffers: the contiguous prefix, whatever the region's layout
     in the lanes' buffers (:meth:`RegionSite.state_view`)."""
-    for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
-        if arg.shape[d] > n:
-            arg = arg.narrow(d, 0, n)
-    view = site.state_view(buf, arg.shape, layout=layout)
+    view, src = state_target(buf, name, arg, site, layout=layout)
     # state is data, never part of an autograd graph: a state produced by ep.module() in grad
     # mode must not make the buffer require grad (every later view would then refuse in-place use)
     with torch.no_grad():
-        copy_state(view, arg.detach())
+        copy_state(view, src)
     return view
+
+
+def state_target(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite, *,
+                 layout: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the view of buf that arg's bytes go to, arg restricted to its live slots)``, checked.
+
+    The unmodified program refuses a state of another dtype or shape; a copy would round or
+    broadcast it silently, so neither is copied."""
+    want = site.live_shape
+    if arg.dtype != buf.dtype or arg.dim() != len(want):
+        raise StateMismatch(f"region {name!r}: a state of dtype {arg.dtype} and rank {arg.dim()} given for input "
+                            f"{site.region.input!r}, which holds {buf.dtype} of rank {len(want)} (shape {want} in "
+                            f"this class)")
+    for d, n in site.live:  # a stock-shaped state (a snapshot): only its live slots are state
+        if arg.shape[d] > n:
+            arg = arg.narrow(d, 0, n)
+    if any(a != b for d, (a, b) in enumerate(zip(arg.shape, want)) if d != site.axis):
+        raise StateMismatch(f"region {name!r}: a state of shape {tuple(arg.shape)} given for input "
+                            f"{site.region.input!r}, whose shape is {want} outside axis {site.axis}")
+    try:
+        view = site.state_view(buf, arg.shape, layout=layout)
+    except ValueError as e:
+        raise StateMismatch(str(e)) from None
+    return view, arg.detach()
 
 
 def copy_state(dst: torch.Tensor, src: torch.Tensor) -> None:

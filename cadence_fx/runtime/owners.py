@@ -1,0 +1,82 @@
+"""Who owns a state buffer, process-wide: every program's lane buffers and every session's buffers.
+
+A state input that is a view of *some* contract-owned buffer is either the state its owner's last
+call returned (current bytes: copied in, or used in place by that owner) or a view kept from an
+older call, whose bytes a later call overwrote (refused with :class:`StaleState`). That holds across
+programs too: an older state of one program fed to another program of the same model is stale
+there as well, so the table is one per process, not one per program.
+
+Owners are held weakly: a session dropped without ``close()`` is reclaimed, and its entries go with
+it (a view the caller still holds keeps the storage, hence its bytes, alive; it is then a plain
+tensor to every program).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable, Protocol
+
+import torch
+
+from cadence_fx.runtime.errors import StaleState, stale_message
+
+__all__ = ["StateOwner", "owner_of", "register", "resolve_source", "unregister"]
+
+
+class StateOwner(Protocol):
+    """A session, the default session, or a lane no session's state stays in."""
+
+    def last_returned(self) -> dict[str, torch.Tensor]: ...
+    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor: ...
+
+
+_lock = threading.Lock()
+_owners: dict[int, "weakref.ref[Any]"] = {}
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def register(owner: StateOwner, buffers: Iterable[torch.Tensor]) -> None:
+    """Record ``owner`` as the owner of ``buffers`` until it is unregistered or collected."""
+    keys = [_key(b) for b in buffers if b.untyped_storage().nbytes()]
+
+    def gone(ref: "weakref.ref[Any]", keys: list[int] = keys) -> None:
+        with _lock:
+            for k in keys:
+                if _owners.get(k) is ref:
+                    del _owners[k]
+
+    ref = weakref.ref(owner, gone)
+    with _lock:
+        for k in keys:
+            _owners[k] = ref
+
+
+def unregister(owner: StateOwner, buffers: Iterable[torch.Tensor]) -> None:
+    with _lock:
+        for b in buffers:
+            ref = _owners.get(_key(b))
+            if ref is not None and ref() is owner:
+                del _owners[_key(b)]
+
+
+def owner_of(t: torch.Tensor) -> StateOwner | None:
+    """The owner of the buffer ``t`` views, if it views one."""
+    ref = _owners.get(_key(t))
+    return None if ref is None else ref()
+
+
+def resolve_source(name: str, arg: Any, input_name: str) -> torch.Tensor:
+    """Where a state input's bytes are: ``arg`` itself (a foreign tensor: a prompt's state, a snapshot,
+    a clone), the current bytes of the owner whose last returned state it is, or :class:`StaleState`."""
+    if not isinstance(arg, torch.Tensor):
+        raise TypeError(f"region {name!r}: expected a tensor for input {input_name!r}, got {type(arg).__name__}")
+    owner = owner_of(arg)
+    if owner is None:
+        return arg
+    if any(arg is t for t in owner.last_returned().values()):
+        return owner.current_bytes(arg)
+    raise StaleState(stale_message(name, input_name))
