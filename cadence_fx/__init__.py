@@ -18,7 +18,8 @@ from cadence_fx.replay import CudaGraphBackend
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
 from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot
-from cadence_fx.runtime.state import StaleState, state_to
+from cadence_fx.runtime.errors import StaleState, StateMismatch
+from cadence_fx.runtime.state import state_to
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
@@ -26,7 +27,7 @@ __all__ = [
     "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "CudaGraphBackend",
     "HeadTail",
     "OptimizedProgram", "Plan", "Region",
-    "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "WHOLE_STEP", "WeightsChanged", "call_classes",
+    "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "call_classes",
     "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save", "state_to",
 ]
 __version__ = "0.1.0"

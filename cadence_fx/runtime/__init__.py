@@ -3,6 +3,8 @@
 - :mod:`~cadence_fx.runtime.catalog`: one rewritten program per exact signature and the dispatch.
 - :mod:`~cadence_fx.runtime.state`: the region buffers and workspaces, and how state inputs reach them.
 - :mod:`~cadence_fx.runtime.runners`: the replay engines installed on annotated partitions, and warm-up.
+- :mod:`~cadence_fx.runtime.owners`: which program, lane or session owns a state buffer (process-wide).
+- :mod:`~cadence_fx.runtime.transaction`: a call that raises leaves the state as it was.
 """
 
 from cadence_fx.runtime.catalog import Catalog, CatalogMiss, reference
