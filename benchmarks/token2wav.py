@@ -18,6 +18,8 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
 - ``SR``/``SRc`` both rules; at the chunk clock (``Rc``, ``SRc``) the CFM loop is keyed and replayed
   once per chunk, captured as one graph per solver step (the adapter's default);
 - ``SRc1``       ``SRc`` with the whole CFM loop captured as one graph (``step_segments=False``);
+- ``SRcnt``      ``SRc`` without the default program's undo log (``transactional=False``): beside ``SRc``,
+                 what keeping the state through a call that raises costs per chunk;
 - ``B0h``        the stock driver's float16 switch (``Token2wav(float16=True)``: ``flow.half()``, the flow call
                  under float16 autocast, HiFT in float32): the baseline of the float16 path;
 - ``SRch``       ``SRc`` of the same float16 step (its autocast blocks lowered to explicit casts by the
@@ -96,6 +98,9 @@ OPT_CELLS = {
     # the whole CFM loop as one graph: nothing hides its launch, where SRc launches each solver step's
     # graph while the previous step's runs
     "SRc1": dict(state=True, replay="auto", granularity="chunk", step_segments=False),
+    # SRc without the default program's undo log (optimize(..., transactional=False)): what the
+    # transaction costs per call
+    "SRcnt": dict(state=True, replay="auto", granularity="chunk", step_segments=True, transactional=False),
     "SRch": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True),
     # SRc / SRch with each graph's independent chains captured on parallel streams (cadence_fx.branches)
     "SRcb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, branches=3),
@@ -364,7 +369,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
         from cadence_fx.replay import CudaGraphBackend
 
         replay = CudaGraphBackend(branches=spec["branches"], blas_streams=spec.get("blas_streams"))
-    prog = cf.optimize(eps, contract, replay=replay, state=spec["state"])
+    prog = cf.optimize(eps, contract, replay=replay, state=spec["state"], transactional=spec.get("transactional", True))
     optimize_s = time.perf_counter() - t0
     del eps
     released = release_unreferenced(step, prog)

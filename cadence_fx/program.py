@@ -80,23 +80,25 @@ class OptimizedProgram:
     """
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
-                 replay: Replay | Any, state: bool = True, lanes: int = 1) -> None:
+                 replay: Replay | Any, state: bool = True, lanes: int = 1, transactional: bool = True) -> None:
         _check_lanes(lanes)
         # programs saved and loaded separately carry one copy of the weights each: fold them into one
         shared_bytes = share_catalog_tensors(exported)
         self._setup(contract, plan=make_plan(exported, contract), names=input_names(exported[0]),
-                    sites=[bind_regions(ep, contract) for ep in exported], verify=verify, replay=replay, state=state)
+                    sites=[bind_regions(ep, contract) for ep in exported], verify=verify, replay=replay, state=state,
+                    transactional=transactional)
         self.shared_bytes = shared_bytes
         self._exported = list(exported)
         self._assemble(lanes)
         self._exported = []  # the rewritten programs hold what they need; the stock workspaces can go
 
     def _setup(self, contract: Contract, *, plan: Plan, names: list[str], sites: list[dict[str, RegionSite]],
-               verify: bool, replay: Replay | Any, state: bool) -> None:
+               verify: bool, replay: Replay | Any, state: bool, transactional: bool = True) -> None:
         """Everything but the lanes: shared by :func:`optimize` and a program loaded from an artifact
         (:func:`cadence_fx.load`), which supplies the plan and the sites it stored."""
         self.contract = contract
         self.state_rule = state
+        self.transactional = transactional
         self.shared_bytes = 0
         self.plan = plan
         self.auditor = Auditor() if verify else None
@@ -219,14 +221,16 @@ class OptimizedProgram:
         """One call of the default session (lane 0, state kept in place between calls).
 
         A call that raises leaves the state as before it: the regions' bytes, the state the next call
-        accepts in place, the random generators (:class:`cadence_fx.runtime.transaction.UndoLog`)."""
+        accepts in place, the random generators (:class:`cadence_fx.runtime.transaction.UndoLog`;
+        ``optimize(..., transactional=False)`` skips the copy, and a call that raises then leaves the
+        regions undefined: feed the next call a state of your own)."""
         flat = self.flatten_inputs(args, kwargs)
         with self.lanes.take(0) as lane, lane.on_stream():  # after a session's call on lane 0 from another stream
             entry = lane.catalog.lookup(flat)
             self.check_entry(entry)
             evicted = lane.resident is not self._default  # a session used lane 0 since: our state was copied out
             returned = lane.state.last_returned()
-            undo = None if evicted else UndoLog(self._undo_views(lane))
+            undo = UndoLog(self._undo_views(lane)) if self.transactional and not evicted else None
             rng = RngStates.current() if self._draws(entry) else None
             try:
                 out = self._call_default(lane, entry, flat, evicted)
@@ -565,7 +569,7 @@ class _NoReturned:
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
              verify: bool = False, replay: Replay | Any = "auto", state: bool = True,
-             lanes: int = 1) -> OptimizedProgram:
+             lanes: int = 1, transactional: bool = True) -> OptimizedProgram:
     """Rewrite a streaming step under ``contract`` and return a drop-in replacement for ``ep.module()``.
 
     Args:
@@ -582,6 +586,10 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
             programs with its own state buffers, workspaces, graph pool and CUDA stream (weights and
             hoisted constants are shared). Sessions (:meth:`OptimizedProgram.session`) are not lanes:
             any number of them share the lanes, each call copying its state in and out.
+        transactional: a default-program call (``prog(...)``) that raises leaves the state exactly as
+            before it; it costs one device copy of the live state per call (an undo log). Off, a call
+            that raises leaves the regions undefined. Session calls are transactions either way, at
+            no cost: their lane buffers are scratch until the commit.
 
     Raises:
         ContractError: the contract is inconsistent with itself or with the exported programs.
@@ -589,7 +597,8 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     eps = [exported] if isinstance(exported, ExportedProgram) else list(exported)
     if not eps:
         raise ContractError("optimize: no exported program given")
-    return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state, lanes=lanes)
+    return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state, lanes=lanes,
+                            transactional=transactional)
 
 
 def _input_bytes(key: tuple) -> int:
