@@ -25,9 +25,22 @@ def _load(target: str) -> tuple[Any, Any]:
 
         return token2wav.plan_target()
     if ":" not in target:
-        raise SystemExit(f"cadence-fx: TARGET must be 'demo', 'token2wav' or 'module:function', got {target!r}")
+        raise _Usage(f"TARGET must be 'demo', 'token2wav' or 'module:function', got {target!r}")
     mod, fn = target.split(":", 1)
-    return getattr(importlib.import_module(mod), fn)()
+    try:
+        factory = getattr(importlib.import_module(mod), fn)
+    except ImportError as e:
+        raise _Usage(f"cannot import {mod!r} ({e})") from None
+    except AttributeError:
+        raise _Usage(f"module {mod!r} has no function {fn!r}") from None
+    got = factory()
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise _Usage(f"{target} must return (exported program or list of them, contract), got {type(got).__name__}")
+    return got
+
+
+class _Usage(Exception):
+    """A target the command line cannot use: printed as a usage error, not a traceback."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,8 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "plan":
         from cadence_fx.plan import plan
 
-        exported, contract = _load(args.target)
-        print(plan(exported, contract))
+        from cadence_fx.adapters.upstream import UpstreamNotFound
+        from cadence_fx.contract import ContractError
+
+        try:
+            exported, contract = _load(args.target)
+            print(plan(exported, contract))
+        except (_Usage, UpstreamNotFound, ContractError) as e:
+            ap.error(str(e))  # exits 2 with the usage line
     return 0
 
 

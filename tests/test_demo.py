@@ -162,6 +162,24 @@ def test_cli_plan_prints_catalog(capsys):
     assert "catalog: 3 signature class(es)" in out and "estimator_kv extents: [8, 12, 14]" in out
 
 
+@pytest.mark.parametrize("target, says", [
+    ("nosuch_module:make", "cannot import 'nosuch_module'"),
+    ("cadence_fx.contract:no_such_function", "has no function 'no_such_function'"),
+    ("demo2", "TARGET must be 'demo', 'token2wav' or 'module:function'"),
+    ("cadence_fx.contract:Clock", "missing"),  # a callable that fails: its own error, not the CLI's
+])
+def test_cli_errors_are_usage_messages(capsys, target, says):
+    from cadence_fx.cli import main
+
+    if says == "missing":
+        with pytest.raises(TypeError, match="missing"):
+            main(["plan", target])
+        return
+    with pytest.raises(SystemExit) as e:
+        main(["plan", target])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_solver_history_workspace_is_the_region_buffer():
     """The demo solver writes each step's history + new frames into a workspace of its own (slots=5,
     capacity=64), then trims it into the state: the workspace becomes the region buffer, in the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
@@ -36,7 +38,8 @@ def invocation(node: Node, wrap: tuple[str, ...]) -> str | None:
 
 
 def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
-    """Group each wrapped invocation into one contiguous partition (networkx schedules the graph) and split."""
+    """Group each wrapped invocation into one contiguous partition (a keyed topological sort schedules the
+    graph) and split."""
     wrap = tuple(ctx.contract.wrap)
     if not wrap:
         return gm
@@ -46,33 +49,30 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if not any(label.values()):
         return gm
     label = _segments(compute, label, tuple(ctx.contract.split_at))
-    import networkx as nx  # here, not at import: a program loaded from an artifact never partitions
     first: dict[str, int] = {}
     for i, n in enumerate(compute):
         if label[n] is not None:
             first.setdefault(label[n], i)
     order_key = {n: (first[label[n]] if label[n] is not None else i) for i, n in enumerate(compute)}
-    dag = nx.DiGraph()
-    dag.add_nodes_from(compute)
+    edges: dict[Node, set[Node]] = {n: set() for n in compute}
     for n in compute:
-        for user in n.users:
-            if user in label:
-                dag.add_edge(n, user)
+        edges[n].update(user for user in n.users if user in label)
     # An in-place write is a barrier: nothing moves across it, so no read of the storage it
     # writes can be scheduled on the wrong side of it.
     prev_effect, since = None, []
     for n in compute:
         if _is_effect(n):
-            dag.add_edges_from((m, n) for m in since)
+            for m in since:
+                edges[m].add(n)
             if prev_effect is not None:
-                dag.add_edge(prev_effect, n)
+                edges[prev_effect].add(n)
             prev_effect, since = n, []
         else:
             if prev_effect is not None:
-                dag.add_edge(prev_effect, n)
+                edges[prev_effect].add(n)
             since.append(n)
     position = {n: i for i, n in enumerate(compute)}
-    schedule = list(nx.lexicographical_topological_sort(dag, key=lambda n: (order_key[n], position[n])))
+    schedule = _keyed_topological_order(compute, edges, lambda n: (order_key[n], position[n]))
     _reorder(graph, schedule)
     part_of: dict[Node, int] = {}
     current, last = -1, object()
@@ -175,3 +175,27 @@ def _reorder(graph: Graph, schedule: list[Node]) -> None:
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     for n in schedule:
         out.prepend(n)
+
+
+def _keyed_topological_order(nodes: list[Node], edges: dict[Node, set[Node]], key) -> list[Node]:
+    """The topological order of ``nodes`` that takes, among the nodes ready at each step, the one of
+    the smallest ``key`` (Kahn's algorithm over a heap): wrapped nodes move next to the first node of
+    their invocation, everything else keeps its place."""
+    indegree = {n: 0 for n in nodes}
+    for n in nodes:
+        for m in edges[n]:
+            indegree[m] += 1
+    ready = [(key(n), i, n) for i, n in enumerate(nodes) if indegree[n] == 0]
+    heapq.heapify(ready)
+    index = {n: i for i, n in enumerate(nodes)}
+    out = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        out.append(n)
+        for m in edges[n]:
+            indegree[m] -= 1
+            if indegree[m] == 0:
+                heapq.heappush(ready, (key(m), index[m], m))
+    if len(out) != len(nodes):
+        raise RuntimeError("partition: the graph's dependencies have a cycle")  # an FX graph never has one
+    return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import types
 from pathlib import Path
@@ -41,10 +42,23 @@ def export_plan_step(up: types.SimpleNamespace, cfg: Token2WavConfig | None = No
 def plan_target(root: str | os.PathLike | None = None) -> tuple[ExportedProgram, Contract]:
     """``cadence-fx plan token2wav``: the released flow step of minicpmo 0.1.2 and its contract.
 
-    ``root`` is the folder holding ``minicpmo-0.1.2/`` (default: ``$CADENCE_FX_UPSTREAM``, else
-    ``<repo>/.upstream``).
-    """
-    from cadence_fx.adapters.upstream import load_stepaudio2
+    The release is looked for in ``root`` (a folder holding ``minicpmo-0.1.2/``), else
+    ``$CADENCE_FX_UPSTREAM``, else a source checkout's ``.upstream/``, else an installed
+    ``stepaudio2`` on the import path (``pip install --no-deps minicpmo==0.1.2``): a wheel of
+    cadence_fx has no ``.upstream/``.
 
-    base = Path(root or os.environ.get("CADENCE_FX_UPSTREAM") or REPO / ".upstream")
-    return export_plan_step(load_stepaudio2(base / "minicpmo-0.1.2"))
+    Raises:
+        UpstreamNotFound: none of them holds the release.
+    """
+    from cadence_fx.adapters.upstream import UpstreamNotFound, load_stepaudio2
+
+    bases = [Path(root)] if root else [Path(os.environ["CADENCE_FX_UPSTREAM"])] \
+        if os.environ.get("CADENCE_FX_UPSTREAM") else [REPO / ".upstream"]
+    for base in bases:
+        if (base / "minicpmo-0.1.2" / "stepaudio2").is_dir():
+            return export_plan_step(load_stepaudio2(base / "minicpmo-0.1.2"))
+    spec = None if root else importlib.util.find_spec("stepaudio2")
+    if spec is not None and spec.submodule_search_locations:
+        return export_plan_step(load_stepaudio2(Path(list(spec.submodule_search_locations)[0]).parent))
+    raise UpstreamNotFound(f"minicpmo 0.1.2 not found in {', '.join(str(b) for b in bases)} nor on the import path; "
+                           f"install it with: pip install --no-deps minicpmo==0.1.2 (and einops, scipy)")
