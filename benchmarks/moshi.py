@@ -19,6 +19,8 @@ tokens). Cells:
 - ``R``       replay only (one CUDA graph per step: the whole LM frame, sampling included; Mimi encode;
               Mimi decode), the state staged in and out of the graphs as plain inputs;
 - ``SR``      both rules: the graphs run on the region buffers, nothing staged;
+- ``SRnt``    SR without the undo log of the default programs (``transactional=False``): beside SR,
+              what keeping the state through a call that raises costs per frame;
 - ``SRb``     SR with each graph's independent chains captured on up to three parallel streams of the
               graph (``CudaGraphBackend(branches=3)``, ``cadence_fx.branches``): the same kernels;
 - ``E``       the exported steps as torch.export gives them (``ep.module()``), no cadence_fx: the program
@@ -88,6 +90,9 @@ from cadence_fx.determinism import describe_envelope, pin_envelope, sha256_tenso
 STOCK_CELLS = ("B0", "B0b", "vendor")
 OPT_CELLS = {"S": dict(state=True, replay="off"), "R": dict(state=False, replay="auto"),
              "SR": dict(state=True, replay="auto"),
+             # SR without the default programs' undo logs (transactional=False): what keeping the state
+             # through a call that raises costs per frame
+             "SRnt": dict(state=True, replay="auto", transactional=False),
              # SR with each graph's independent chains captured on up to three parallel streams
              "SRb": dict(state=True, replay="auto", branches=3),
              # the exported steps run unmodified (``ep.module()``, no cadence_fx): where a cell parts from B0,
@@ -433,7 +438,8 @@ def run_opt_cell(args, name: str) -> list[dict]:
         export_s[s] = time.perf_counter() - t0
         t0 = time.perf_counter()
         progs[s] = (_Exported(eps) if spec.get("exported") else
-                    cf.optimize(eps, contracts[s], replay=replay, state=spec["state"]))
+                    cf.optimize(eps, contracts[s], replay=replay, state=spec["state"],
+                                transactional=spec.get("transactional", True)))
         optimize_s[s] = time.perf_counter() - t0
         del eps
         print(f"[{name}] {s}: export {export_s[s]:.1f} s, optimize {optimize_s[s]:.1f} s", file=sys.stderr, flush=True)
