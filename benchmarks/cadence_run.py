@@ -1,0 +1,207 @@
+"""One cadence benchmark run: the rows over N of each cell, in order, and the report they make.
+
+:class:`Run` holds the run's rows, its solo digests (:class:`~benchmarks.cadence_exact.SoloDigests`) and
+its set-up facts. For the SRc cell it drives the long-lived workers (:mod:`benchmarks.cadence_worker`):
+an untimed warm stream first (:meth:`Run.warm`), then each GPU count's N upward (:meth:`Run.run_src`,
+``--pack``: the same N side by side on disjoint GPUs). For the stock cell it starts each row's own
+processes (:class:`~benchmarks.cadence_stock.StockRow`, :meth:`Run.run_stock`). Every row is merged
+(:func:`~benchmarks.cadence_rows.merge_row`) and written as it comes (:meth:`Run.add`); a list stops
+at its first N with misses (``--full-sweep``: it goes on) or where ``--time-budget`` would be passed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from benchmarks import harness
+from benchmarks.cadence_exact import SoloDigests, script_sha
+from benchmarks.cadence_measure import NvmlSampler
+from benchmarks.cadence_placement import ENTRY, child_env, passthrough, sessions_of, visible_gpus
+from benchmarks.cadence_rows import limits, merge_row, progress
+from benchmarks.cadence_stock import StockRow
+from benchmarks.cadence_traffic import chunks_per_session, latency_ms, missed
+from benchmarks.cadence_worker import Worker, worker_env
+
+T_START = time.monotonic()  # --time-budget counts from here (the coordinator's start)
+
+
+class Run(SoloDigests):
+    """One benchmark run: the solo digests, the rows so far, and where they are written."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.visible = visible_gpus()
+        self.chunks = chunks_per_session(args.seconds, args.period)
+        self.rows: list[dict] = []
+        self.skipped: list[dict] = []
+        self.solo: dict[int, str] = {}
+        self.solo_gpu: dict[int, int] = {}
+        self.device = None
+        self.meta: dict = {}
+        self.warm_s = args.warm_seconds if args.warm_seconds is not None else (10.0 if self.visible else 0.0)
+
+    # ------------------------------------------------------------------ rows
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print(progress(row), file=sys.stderr, flush=True)
+        if self.args.rows:
+            harness.append_rows(self.args.rows, [row])
+        if self.args.json:
+            harness.write_json(self.args.json, self.report())
+
+    def report(self) -> dict:
+        return dict(command="python benchmarks/cadence.py " + " ".join(sys.argv[1:]), torch=torch.__version__,
+                    device=self.device, date=time.strftime("%Y-%m-%d"), model=self.args.model, dtype=self.args.dtype,
+                    reduced=self.args.reduced, seconds=self.args.seconds, period_s=self.args.period,
+                    chunks_per_session=self.chunks,
+                    scripts=self.args.scripts, warm_s=self.warm_s, solo_sha={str(k): v for k, v in self.solo.items()},
+                    solo_gpu={str(k): v for k, v in self.solo_gpu.items()}, limits=limits(self.rows),
+                    skipped=self.skipped, setup=self.meta, rows=self.rows)
+
+    def over_budget(self, cell: str, g: int, n: int, need_s: float) -> bool:
+        budget = self.args.time_budget
+        if budget and time.monotonic() - T_START + need_s > budget:
+            self.skipped.append(dict(cell=cell, gpus=g, n_sessions=n, reason=f"--time-budget {budget:.0f} s"))
+            print(f"[{cell} gpus={g} N={n}] skipped: would end past --time-budget {budget:.0f} s", file=sys.stderr)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ SRc
+    def start_workers(self, k: int) -> list[Worker]:
+        a = self.args
+        common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
+                  "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else [])]
+        return [Worker(g, [sys.executable, str(ENTRY), "--worker", str(g)] + common + passthrough(a),
+                       worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
+
+    def _serve_cmd(self, n: int, g: int, j: int, t0: float, chunks: int, busy_window: float) -> dict:
+        """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
+        a = self.args
+        return dict(cmd="serve", n=n, sessions=sessions_of(n, g, j), t0=t0, period=a.period,
+                    chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window)
+
+    def warm(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
+        """Every worker, at once, serves an untimed ``--warm-seconds`` stream of its share of the first N it
+        will serve (the first row of the first GPU count whose first batch uses it); nothing is a row."""
+        a = self.args
+        chunks = int(round(self.warm_s / a.period))
+        if chunks <= 0:
+            return
+        first: dict[int, tuple[int, int, int]] = {}  # worker -> (n, g, j)
+        for g in gpus:
+            if not sessions[g]:
+                continue
+            width = max(1, len(workers) // g) if a.pack else 1
+            for k in range(min(width * g, len(workers))):
+                first.setdefault(k, (sessions[g][0], g, k % g))
+        t_start = time.monotonic()
+        t0 = time.time() + min(a.lead, 0.5)  # untimed: a late start only delays the warm stream
+        for k, (n, g, j) in first.items():
+            workers[k].send(self._serve_cmd(n, g, j, t0, chunks, 0.0))
+        per = []
+        for k, (n, g, j) in first.items():
+            part = workers[k].receive()
+            lat = [latency_ms(r) for r in part["records"]]
+            per.append(dict(gpu=k, n_sessions=n, gpus=g, sessions=len(part["sha"]), chunks=len(lat),
+                            p50_ms=harness.percentile(lat, 50), p99_ms=harness.percentile(lat, 99),
+                            misses=sum(missed(x, a.period) for x in lat), peak_mib=part["peak_mib"]))
+        self.meta.setdefault("SRc", {})["warm"] = dict(seconds=self.warm_s, chunks_per_session=chunks,
+                                                       wall_s=time.monotonic() - t_start, per_worker=per)
+        print(f"warm stream: {self.warm_s:g} s at N=" + ",".join(f"{p['n_sessions']}(gpu {p['gpu']})" for p in per)
+              + f" in {time.monotonic() - t_start:.1f} s (not a row)", file=sys.stderr, flush=True)
+
+    def run_src(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
+        a = self.args
+        ready = [w.receive() for w in workers]
+        self.device = self.device or ready[0]["device"]
+        self.check_solo_device()
+        self.meta["SRc"] = dict(workers=ready)
+        self.warm(workers, gpus, sessions)
+        for g in gpus:
+            todo = list(sessions[g])
+            width = max(1, len(workers) // g) if a.pack else 1  # --pack: the same N on disjoint GPU groups
+            while todo:
+                n0, todo = todo[0], todo[1:]
+                batch = [n0] * width
+                if self.over_budget("SRc", g, n0, a.seconds + a.lead + 15):
+                    break
+                t0 = time.time() + a.lead
+                groups = [workers[j * g:(j + 1) * g] for j in range(len(batch))]
+                samplers = [self._nvml([w.g for w in grp], t0) for grp in groups]
+                for n, grp in zip(batch, groups):
+                    for j, w in enumerate(grp):
+                        w.send(self._serve_cmd(n, g, j, t0, self.chunks, a.busy_window))
+                rows = []
+                for rep_i, (n, grp, nvml) in enumerate(zip(batch, groups, samplers)):
+                    parts = [w.receive() for w in grp]
+                    nvml.stop_at = 0
+                    row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
+                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams,
+                               cuda_connections=a.cuda_connections, join_live=a.join_live,
+                               host=[p.get("host") for p in parts],
+                               gpu_ids=[w.g for w in grp],
+                               concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
+                               repeat=rep_i if len(batch) > 1 else None,
+                               per_session_mib=next((p["per_session_mib"] for p in parts if p["per_session_mib"]),
+                                                    None),
+                               late_start_s=max(p["late_start_s"] for p in parts),
+                               counters=[p["counters"] for p in parts], census_mib=parts[0]["census_mib"])
+                    rows.append(row)
+                for row in rows:
+                    self.add(row)
+                if any(r["misses"] for r in rows) and not a.full_sweep:
+                    break
+
+    def _nvml(self, gpus: list[int], t0: float) -> NvmlSampler:
+        """NVML samples of the given GPUs (worker indices) from a second after t0, until stopped."""
+        s = NvmlSampler([self.visible[g] for g in gpus] if self.visible else [])
+        s.start_at = t0 + 1.0
+        if self.visible:
+            s.start()
+        return s
+
+    # ------------------------------------------------------------------ stock
+    def run_stock(self, gpus: list[int], sessions: dict[int, list[int]]) -> None:
+        """Each GPU count's N in turn, each row on its own N stock processes: a process left idle on the
+        GPU beside a row slows it (docs/benchmarks.md, session 14), so no row runs beside idle ones."""
+        a = self.args
+        for g in gpus:
+            for n in sessions[g]:
+                if self.over_budget("stock", g, n, a.seconds + a.lead + 45):
+                    break
+                procs = StockRow(self, g, n)
+                try:
+                    error = procs.wait_ready()
+                    self.meta.setdefault("stock", []).append(procs.facts())
+                    row = (dict(cell="stock", name="stock", gpus=g, n_sessions=n, error=error) if error
+                           else self._stock_n(procs))
+                finally:
+                    procs.close()
+                self.add(row)
+                if "error" in row or (row["misses"] and not a.full_sweep):
+                    break
+
+    def _stock_n(self, procs: StockRow) -> dict:
+        a = self.args
+        g, n = procs.g, procs.n
+        t0 = time.time() + a.lead
+        nvml = self._nvml(list(range(g)), t0)
+        results = procs.serve(t0)
+        nvml.stop_at = 0
+        if isinstance(results, str):
+            return dict(cell="stock", name="stock", gpus=g, n_sessions=n, error=results)
+        self.device = self.device or results[0]["device"]
+        self.check_solo_device()
+        parts = []
+        for gi in range(g):
+            mine = [(i, r) for i, r in enumerate(results) if i % g == gi]
+            parts.append(dict(gpu=gi, records=[rec for _i, r in mine for rec in r["records"]],
+                              sha={str(i): r["sha"] for i, r in mine}, joins=[],
+                              peak_mib=sum(r["peak_mib"] or 0 for _i, r in mine) if self.visible else None))
+        row = merge_row("stock", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
+        row.update(nvml.result(), per_session_peak_mib=max((r["peak_mib"] or 0) for r in results) or None,
+                   script_sha=script_sha(results, a.scripts), threads_per_process=procs.threads)
+        return row
