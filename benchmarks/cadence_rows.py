@@ -12,7 +12,7 @@ from __future__ import annotations
 from benchmarks import harness
 from benchmarks.cadence_exact import bitexact, session_digests
 from benchmarks.cadence_traffic import latency_ms, missed
-from benchmarks.harness import _num as fmt  # a number in a format, "n/a" for none or nan
+from benchmarks.harness import fmt_number as fmt  # a number in a format, "n/a" for none or nan
 
 
 def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str], scripts: int, period: float,

@@ -537,7 +537,7 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
 
 
 # --------------------------------------------------------------------------- the table
-def _num(v: Any, fmt: str) -> str:
+def fmt_number(v: Any, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and v == v else "n/a"
 
 
@@ -557,7 +557,7 @@ def table(rows: Sequence[dict]) -> str:
             continue
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else ("-" if r.get("bitexact") else "NOT EXACT")
         lines.append(f"{r['name']:<12}{at}{r.get('block', 0):>6}{r['p50_ms']:>10.2f}{r['p95_ms']:>10.2f}"
-                     f"{_num(r.get('peak_mib'), '.0f'):>10}{_num(r.get('kernels_per_chunk'), '.0f'):>9}"
-                     f"{_num(r.get('launches_per_chunk'), '.0f'):>9}{_num(r.get('busy_ms'), '.1f'):>9}"
+                     f"{fmt_number(r.get('peak_mib'), '.0f'):>10}{fmt_number(r.get('kernels_per_chunk'), '.0f'):>9}"
+                     f"{fmt_number(r.get('launches_per_chunk'), '.0f'):>9}{fmt_number(r.get('busy_ms'), '.1f'):>9}"
                      f"{r.get('warmup_s', 0):>9.2f}{str(r.get('bitexact')):>7}{sp:>10}  {r.get('notes', '')}")
     return "\n".join(lines)
