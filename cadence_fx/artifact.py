@@ -75,6 +75,7 @@ import torch.utils._pytree as pytree
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
+from cadence_fx import kernel_settings
 from cadence_fx.annotations import RANDOM, REPLAY, SEGMENT, WRAPPED, ReplaySpec
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Clock, Contract, HeadTail, Region, Ring, SlidingWindow
@@ -121,28 +122,6 @@ _MAX_DEPTH = 64
 # would bound nothing: the plan is in the same file. Token2Wav at reduced sizes: 19 MB of state a
 # lane against 327 MB of tensors.
 _ALLOCATION_FLOOR = 1 << 30
-# settings that change which kernel runs, hence the bits of hoisted constants and of every call
-_KERNEL_SETTINGS: dict[str, tuple[Callable[[], Any], str]] = {
-    "cuda.matmul.allow_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
-                               "torch.backends.cuda.matmul.allow_tf32 = {v}"),
-    "cuda.matmul.allow_fp16_reduced_precision_reduction": (
-        lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = {v}"),
-    "cuda.matmul.allow_bf16_reduced_precision_reduction": (
-        lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = {v}"),
-    "cudnn.allow_tf32": (lambda: torch.backends.cudnn.allow_tf32, "torch.backends.cudnn.allow_tf32 = {v}"),
-    "cudnn.deterministic": (lambda: torch.backends.cudnn.deterministic, "torch.backends.cudnn.deterministic = {v}"),
-    "cudnn.benchmark": (lambda: torch.backends.cudnn.benchmark, "torch.backends.cudnn.benchmark = {v}"),
-    "deterministic_algorithms": (torch.are_deterministic_algorithms_enabled,
-                                 "torch.use_deterministic_algorithms({v})"),
-    # which attention kernels scaled_dot_product_attention may dispatch to
-    "sdpa.cudnn": (torch.backends.cuda.cudnn_sdp_enabled, "torch.backends.cuda.enable_cudnn_sdp({v})"),
-    "sdpa.flash": (torch.backends.cuda.flash_sdp_enabled, "torch.backends.cuda.enable_flash_sdp({v})"),
-    "sdpa.mem_efficient": (torch.backends.cuda.mem_efficient_sdp_enabled,
-                           "torch.backends.cuda.enable_mem_efficient_sdp({v})"),
-    "sdpa.math": (torch.backends.cuda.math_sdp_enabled, "torch.backends.cuda.enable_math_sdp({v})"),
-}
 
 
 class ArtifactError(RuntimeError):
@@ -231,7 +210,7 @@ def save(prog: OptimizedProgram, path: str | os.PathLike[str]) -> dict[str, Any]
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": _device_enc(device),
-        "settings": {k: get() for k, (get, _fix) in _KERNEL_SETTINGS.items()},
+        "settings": kernel_settings.snapshot(),
         "contract": _contract_enc(prog.contract),
         "state_rule": prog.state_rule,
         "names": list(prog._names),
@@ -1192,14 +1171,14 @@ def _check_environment(manifest: Mapping[str, Any], device: str | torch.device |
         if name != dev["name"]:
             raise ArtifactMismatch(f"cadence_fx.load: the artifact was optimized on a {dev['name']}, {target} is a "
                                    f"{name}: kernel choice and bits may differ; optimize again on this GPU")
-    diffs = [(k, v, _KERNEL_SETTINGS[k][0]()) for k, v in manifest["settings"].items()
-             if k in _KERNEL_SETTINGS and _KERNEL_SETTINGS[k][0]() != v]
+    # settings unknown to this torch's table are ignored, as are the table's entries an older writer lacked
+    diffs = kernel_settings.diff(manifest["settings"])
     if diffs:
-        fixes = "; ".join(_KERNEL_SETTINGS[k][1].format(v=v) for k, v, _now in diffs)
         raise ArtifactMismatch(
             "cadence_fx.load: kernel settings differ from the ones the artifact was built under ("
-            + ", ".join(f"{k}: saved {v}, now {now}" for k, v, now in diffs)
-            + f"); the stored constants and the stock program's bits depend on them. Set: {fixes}")
+            + ", ".join(f"{d.name}: saved {d.saved}, now {d.now}" for d in diffs)
+            + "); the stored constants and the stock program's bits depend on them. Set: "
+            + "; ".join(d.how for d in diffs))
     return target
 
 

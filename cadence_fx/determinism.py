@@ -24,6 +24,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from cadence_fx import kernel_settings
+
 __all__ = ["NotReproducibleError", "bits_equal", "check_reproducible", "envelope", "pin_envelope", "sha256_tensors"]
 
 
@@ -55,19 +57,15 @@ def pin_envelope(*, deterministic_algorithms: bool = False, cudnn_attention: boo
 
 
 def envelope_settings() -> dict[str, object]:
-    """The current envelope settings and build versions, read without touching a device or library."""
-    fill = getattr(torch.utils, "deterministic", None)
-    return {
-        "cudnn.deterministic": torch.backends.cudnn.deterministic,
-        "cudnn.benchmark": torch.backends.cudnn.benchmark,
-        "sdpa.cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "fill_uninitialized_memory": getattr(fill, "fill_uninitialized_memory", None),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
+    """The current envelope: every kernel setting of :mod:`cadence_fx.kernel_settings` (JSON values),
+    ``CUBLAS_WORKSPACE_CONFIG`` and the build versions, read without touching a device or library.
+    ``sdpa.cudnn_attention`` repeats ``sdpa.cudnn`` under the name results recorded before the table."""
+    settings = kernel_settings.snapshot()
+    return {**settings,
+            "sdpa.cudnn_attention": settings.get("sdpa.cudnn"),
+            "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda}
 
 
 def describe_envelope() -> dict[str, object]:
@@ -80,16 +78,12 @@ def describe_envelope() -> dict[str, object]:
 
 @contextmanager
 def envelope(*, deterministic_algorithms: bool = False, cudnn_attention: bool = False) -> Iterator[dict[str, object]]:
-    """``pin_envelope`` for the duration of a ``with`` block; previous settings come back on exit."""
-    previous = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-                torch.are_deterministic_algorithms_enabled(),
-                torch.is_deterministic_algorithms_warn_only_enabled(), torch.backends.cuda.cudnn_sdp_enabled())
+    """``pin_envelope`` for the duration of a ``with`` block; every kernel setting comes back on exit."""
+    previous = kernel_settings.snapshot()
     try:
         yield pin_envelope(deterministic_algorithms=deterministic_algorithms, cudnn_attention=cudnn_attention)
     finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[:2]
-        torch.backends.cuda.enable_cudnn_sdp(previous[4])
-        torch.use_deterministic_algorithms(previous[2], warn_only=previous[3])
+        kernel_settings.apply(previous)
 
 
 def sha256_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> str:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from cadence_fx.determinism import bits_equal
+from cadence_fx.kernel_settings import key as _kernel_key
 from cadence_fx.streams import StreamHandoff
 
 if TYPE_CHECKING:
@@ -519,7 +520,9 @@ class ExactShapeReplay:
         Reads only metadata (never tensor data, never synchronizes). Beyond shape,
         stride, dtype, device and requires_grad, the key holds pointer alignment
         (kernel choice can depend on it) and the ambient numeric settings that
-        change which kernels eager would run.
+        change which kernels eager would run (:mod:`cadence_fx.kernel_settings`): after
+        a change, calls miss every class captured before it and run eagerly until a
+        warm-up captures them under the new settings.
         """
         aliased = self._aliased_set
         if aliased and self.aliased[-1] >= len(args):
@@ -785,23 +788,10 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _ambient() -> tuple:
-    # Settings that change eager's kernels or numerics; a capture is valid only under its own.
-    b = torch.backends
+    # Settings that change eager's kernels or numerics; a capture is valid only under its own: the call
+    # semantics here, every kernel-selection setting from the one table (cadence_fx.kernel_settings)
     return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-            torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"),
-            _setting(torch.get_float32_matmul_precision), _setting(lambda: b.cuda.matmul.allow_tf32),
-            _setting(lambda: b.cuda.matmul.allow_fp16_reduced_precision_reduction),
-            _setting(lambda: b.cuda.matmul.allow_bf16_reduced_precision_reduction),
-            _setting(lambda: b.cudnn.allow_tf32), b.cudnn.deterministic, b.cudnn.benchmark,
-            torch.are_deterministic_algorithms_enabled())
-
-
-def _setting(read: Callable[[], object]) -> object:
-    # Some torch versions refuse the legacy TF32 flags once the fp32_precision API was used.
-    try:
-        return read()
-    except Exception:
-        return "unreadable"
+            _kernel_key())
 
 
 def _short(key: Signature | None) -> str:
