@@ -545,8 +545,9 @@ def _state_info(prog, contract, state_rule: bool) -> dict:
     except ImportError:  # an older cadence_fx without the count
         return out
     for cls in state_traffic(prog):
-        out["state_bytes_per_call"] = {k: sum(v.get(k, 0) for v in cls["regions"].values())
-                                       for k in ("stock", "optimized")}
+        counts = {k: [v.get(k, 0) for v in cls["regions"].values()] for k in ("stock", "optimized")}
+        # a region whose count is unknown (None) makes the total unknown, not smaller
+        out["state_bytes_per_call"] = {k: None if None in c else sum(c) for k, c in counts.items()}
         out["left_stock"] = cls["left_stock"]
     return out
 

@@ -98,7 +98,7 @@ def bind_regions(ep: ExportedProgram, contract: Contract) -> dict[str, RegionSit
     names = input_names(ep)
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     user_outs = list(ep.graph_signature.user_outputs)
-    out_node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    out_node = ep.graph.output_node()
     out_by_name = {a.name: a for a in out_node.args[0] if isinstance(a, Node)}
     sites: dict[str, RegionSite] = {}
     for r in contract.regions:

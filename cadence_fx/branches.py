@@ -16,7 +16,7 @@ of a Python function), and nothing that draws from a generator, is moved off the
 such node is a fence, after everything launched before it and before everything launched after it,
 on every stream. So every read and write of state keeps the stock order. Between fences, nodes are
 pure ATen ops that only allocate their outputs (a seeded op whose arguments make it draw nothing, an
-eval-mode dropout, is pure: :func:`~cadence_fx.graph_utils.draws`).
+eval-mode dropout, is pure: :func:`~cadence_fx.analysis.ops.draws`).
 
 Memory: a tensor read on another stream than the one it was allocated on is kept alive by the run
 until the next fence (or the final join) has been launched. Every kernel launched after a fence is
@@ -35,7 +35,7 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_leaves
 
-from cadence_fx.graph_utils import draws, is_mutating, is_out_op, is_view
+from cadence_fx.analysis.ops import draws, is_mutating, is_out_op, is_view
 
 __all__ = ["BranchPlan", "BranchedRun", "plan_branches"]
 

@@ -19,7 +19,9 @@ from torch.fx import Node
 
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.contract import Contract, ContractError, HeadTail, Region, Ring
-from cadence_fx.graph_utils import fetch_attr, flat_outputs, overload_name, view_root
+from cadence_fx.analysis.aliases import view_root
+from cadence_fx.analysis.graph_io import fetch_attr, flat_outputs
+from cadence_fx.analysis.ops import overload_name
 
 
 def region_extents(region: Region, growth: int, *, max_calls: int = 10_000) -> list[int]:
@@ -194,7 +196,7 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
     """
     ep = exported if isinstance(exported, ExportedProgram) else list(exported)[0]
     sites = bind_regions(ep, contract)
-    out_node = next(n for n in reversed(ep.graph.nodes) if n.op == "output")
+    out_node = ep.graph.output_node()
     user_outs = list(ep.graph_signature.user_outputs)
     by_name = {a.name: a for a in out_node.args[0] if isinstance(a, Node)}
     buffers = {spec.arg.name: spec.target for spec in ep.graph_signature.input_specs
@@ -246,9 +248,10 @@ def state_traffic(program) -> list[dict]:
 
     ``[{"class": {region: extent}, "regions": {region: {"stock": b, "optimized": b}}, "left_stock": [...]}]``:
     ``stock`` for the unmodified program, ``optimized`` for the rewritten one, both counted from the graphs
-    by :func:`cadence_fx.graph_utils.state_bytes_written` (data movement into the outgoing state: the
+    by :func:`cadence_fx.analysis.traffic.state_bytes_written` (data movement into the outgoing state: the
     bytes a cat, a functional index_copy or a copy into the region buffer writes; not the arithmetic that
-    computes the new positions). ``left_stock`` names state patterns a pass could not prove exact.
+    computes the new positions); ``None`` where a value on the way could not be sized (logged when
+    optimized). ``left_stock`` names state patterns a pass could not prove exact.
     """
     out = []
     for _key, entry in program.catalog.items():

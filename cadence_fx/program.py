@@ -23,7 +23,8 @@ from cadence_fx.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.catalog import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
-from cadence_fx.graph_utils import attribute_writes, fetch_attr, numel
+from cadence_fx.analysis.graph_io import fetch_attr, numel
+from cadence_fx.analysis.writes import attribute_writes
 from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
 from cadence_fx.passes.hoist_constants import FoldedWeights
 from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces

@@ -344,7 +344,7 @@ def test_an_eval_mode_dropout_and_an_attention_without_dropout_are_kernels_not_f
     """Seeded ops whose literal arguments make them draw nothing (``dropout`` with ``train=False`` or
     ``p == 0``; SDPA with ``dropout_p == 0``, as models in eval mode export them) are scheduled like any
     pure op; a dropout that draws stays a fence on the capture stream."""
-    from cadence_fx.graph_utils import draws
+    from cadence_fx.analysis.ops import draws
 
     aten = torch.ops.aten
 
@@ -396,7 +396,7 @@ def test_an_op_draws_says_draws_nothing_leaves_the_generator_untouched():
     """The predicate against the ops themselves (CPU generator): wherever ``draws`` says an op draws
     nothing, running it leaves the generator's state as it was, for every dropout variant and SDPA over
     a grid of ``p`` and ``train``; where the op does move the generator, ``draws`` says it draws."""
-    from cadence_fx.graph_utils import draws
+    from cadence_fx.analysis.ops import draws
 
     aten = torch.ops.aten
     x = torch.randn(2, 3, 8, 8)

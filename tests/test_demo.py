@@ -12,7 +12,7 @@ import torch
 import cadence_fx as cf
 from cadence_fx.annotations import WORKSPACE_PREFIX
 from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
-from cadence_fx.graph_utils import overload_name
+from cadence_fx.analysis.ops import overload_name
 from tests.helpers import live_view, run_streams, sha256
 
 REGION_OUT = {1: 1, 2: 2, 3: 3}  # input index -> output index of each state region

@@ -8,7 +8,7 @@ import torch
 
 import cadence_fx as cf
 from cadence_fx.contract import Contract
-from cadence_fx.graph_utils import is_guard
+from cadence_fx.analysis.ops import is_guard
 from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
 from cadence_fx.passes.drop_static_guards import drop_static_guards
 

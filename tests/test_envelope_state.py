@@ -216,7 +216,7 @@ def test_a_state_that_does_not_fit_the_envelope_is_refused(bad):
 def test_box_cover_is_exact_and_bounded():
     """The coverage check behind "every read sees only this call's writes": tiles cover, a gap does not,
     and a cover too fragmented to check answers False (the workspace is then kept)."""
-    from cadence_fx.graph_utils import box_covered
+    from cadence_fx.analysis.boxes import box_covered
 
     box = [(0, 10), (0, 4)]
     rows = [[(i, i + 1), (0, 4)] for i in range(10)]

@@ -84,8 +84,9 @@ class ProgramFacts:
     regions: dict[str, RegionState] = field(default_factory=dict)
     changed: dict[str, int] = field(default_factory=dict)
     folded_weights: "FoldedWeights | None" = None
-    # region -> {"stock": bytes, "optimized": bytes}: state bytes one call writes (graph_utils.state_bytes_written)
-    state_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # region -> {"stock": bytes, "optimized": bytes}: state bytes one call writes
+    # (analysis.traffic.state_bytes_written; None: a value on the way could not be sized)
+    state_bytes: dict[str, dict[str, int | None]] = field(default_factory=dict)
     # patterns a state pass recognised but could not prove exact: left as the stock program has them
     left_stock: list[str] = field(default_factory=list)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.graph_utils import attribute_writes, fetch_attr
+from cadence_fx.analysis.graph_io import fetch_attr
+from cadence_fx.analysis.writes import attribute_writes
 from cadence_fx.passes import PassContext
 
 BOUND_PREFIX = "bound__"
@@ -57,8 +58,8 @@ def bind_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
             call.args = tuple(keep_args)
             sub.graph.lint()
             sub.recompile()
-    for n in list(gm.graph.nodes):
-        if n.op == "get_attr" and not n.users:
+    for n in gm.graph.find_nodes(op="get_attr"):
+        if not n.users:
             gm.graph.erase_node(n)
     ctx.record("bind_constants", bound)
     return gm

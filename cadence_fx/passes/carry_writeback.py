@@ -16,9 +16,11 @@ from torch.fx import GraphModule, Node
 from cadence_fx.annotations import REGION_PREFIX
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
-from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_view, numel, overload_name, reach,
-                                    register_tensor, shape_of, state_bytes_written)
-from cadence_fx.passes import PassContext, RegionState
+from cadence_fx.analysis.boxes import reach
+from cadence_fx.analysis.graph_io import cat_dim, flat_outputs, flat_view, numel, register_tensor, shape_of
+from cadence_fx.analysis.ops import aten, is_view, overload_name
+from cadence_fx.analysis.traffic import UncountedBytes, state_bytes_written
+from cadence_fx.passes import PassContext, RegionState, log
 
 # Views that keep the clock axis where it is or move it predictably.
 _AXIS_PRESERVING = {"alias", "detach", "contiguous", "clone"}
@@ -98,17 +100,22 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
 
 
 def record_state_bytes(gm: GraphModule, ctx: PassContext, which: str) -> None:
-    """Per region, the bytes one call writes to build its outgoing state (``ProgramFacts.state_bytes``)."""
+    """Per region, the bytes one call writes to build its outgoing state (``ProgramFacts.state_bytes``);
+    None where a value on the way cannot be sized (logged)."""
     outs = flat_outputs(gm.graph)
     aliases: dict = {}
     for state in ctx.program.regions.values():  # the region input is a view of its buffer at run time
         aliases[state.placeholder] = state.buffer_attr
-        for n in gm.graph.nodes:
-            if n.op == "get_attr" and n.target == state.buffer_attr:
-                aliases[n] = state.buffer_attr
+        for n in gm.graph.find_nodes(op="get_attr", target=state.buffer_attr):
+            aliases[n] = state.buffer_attr
     for name, site in ctx.program.sites.items():
         value = outs[site.region.output % len(outs)]
-        ctx.program.state_bytes.setdefault(name, {})[which] = state_bytes_written(gm.graph, value, aliases)
+        try:
+            count: int | None = state_bytes_written(gm.graph, value, aliases)
+        except UncountedBytes as e:  # unknown, not 0: the count would leave out what it could not size
+            log.warning("region %r: the state bytes of the %s program are not counted: %s", name, which, e)
+            count = None
+        ctx.program.state_bytes.setdefault(name, {})[which] = count
 
 
 def _cats_on_axis(ph: Node, axis: int) -> list[tuple[Node, int, int]]:

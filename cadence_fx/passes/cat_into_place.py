@@ -24,7 +24,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.graph_utils import is_mutating, is_view, overload_name, view_root, written_args
+from cadence_fx.analysis.aliases import view_root
+from cadence_fx.analysis.ops import is_mutating, is_view, overload_name, written_args
 from cadence_fx.passes import PassContext
 
 _CAT_OUT = torch.ops.aten.cat.out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.graph_utils import is_guard
+from cadence_fx.analysis.ops import is_guard
 from cadence_fx.passes import PassContext
 
 

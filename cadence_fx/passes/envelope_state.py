@@ -18,7 +18,7 @@ Proved per program, else the workspace is kept and the reason reported (``left_s
 - nothing but the region's own output returns a view of the workspace or the input;
 - reads of both only move elements (cat, copy, clone, ...) or map them one by one (pointwise ops):
   the envelope's strides differ from a contiguous state's and from the stock workspace's, and only
-  those are proved stride-independent (``graph_utils.stride_independent``).
+  those are proved stride-independent (``analysis.boxes.stride_independent``).
 
 Any region in the envelope layout whose input is read by anything else gets a contiguous copy of the
 input for those readers (exact, at the cost of one copy of the state; reported).
@@ -31,9 +31,10 @@ from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import is_state_attr
 from cadence_fx.binding import RegionSite
-from cadence_fx.graph_utils import (access_boxes, aten, box_covered, fetch_attr, flat_outputs, flat_view, is_guard,
-                                    is_mutating, is_view, is_view_op, leaf_consumers, output_node, overload_name, reach,
-                                    stride_independent, view_root)
+from cadence_fx.analysis.aliases import view_root
+from cadence_fx.analysis.boxes import access_boxes, box_covered, leaf_consumers, reach, stride_independent
+from cadence_fx.analysis.graph_io import fetch_attr, flat_outputs, flat_view
+from cadence_fx.analysis.ops import aten, is_guard, is_mutating, is_view, is_view_op, overload_name
 from cadence_fx.passes import PassContext, RegionState
 
 
@@ -88,9 +89,9 @@ def _merge(gm: GraphModule, site: RegionSite, state: RegionState, value: object)
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(env) or tensor.dtype != site.dtype \
             or tensor.device != buf.device:
         return "the buffer's rank, dtype or device is not the region's"
-    uses = [n for n in graph.nodes if n.op == "get_attr" and n.target == root.target]
+    uses = graph.find_nodes(op="get_attr", target=root.target)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    out = output_node(graph)
+    out = graph.output_node()
     own = {value} | {p for p in parts if isinstance(p, Node)}
     live = dict(site.live)
     writes: list[tuple[int, list[tuple[int, int]]]] = []

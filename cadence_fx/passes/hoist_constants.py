@@ -28,7 +28,9 @@ from torch.fx.node import map_arg
 
 from cadence_fx.annotations import CONST_PREFIX
 from cadence_fx.determinism import bits_equal, sha256_tensors
-from cadence_fx.graph_utils import fetch_attr, is_mutating, is_random, is_view, overload_name, register_tensor, view_root
+from cadence_fx.analysis.aliases import view_root
+from cadence_fx.analysis.graph_io import fetch_attr, register_tensor
+from cadence_fx.analysis.ops import is_mutating, is_random, is_view, overload_name
 from cadence_fx.passes import PassContext
 
 # Factory ops whose result is fully determined by their arguments. ``empty*`` is left out:

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cadence_fx.graph_utils import fetch_attr
+from cadence_fx.analysis.graph_io import fetch_attr
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.inline_grad_regions import hop_calls, splice_subgraph
 

@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import INLINED_PREFIX
-from cadence_fx.graph_utils import register_tensor
+from cadence_fx.analysis.graph_io import register_tensor
 from cadence_fx.passes import PassContext
 
 

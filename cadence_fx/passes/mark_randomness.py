@@ -3,7 +3,7 @@
 Sessions keep one random stream each (:mod:`cadence_fx.runtime.rng`): the runtime installs a
 session's generator states around every draw. This pass marks where draws happen: each partition
 whose graph holds a random op, and each random op left in the root graph (no partitions). A seeded op
-whose arguments make it draw nothing (an eval-mode dropout) is not a draw (:func:`~cadence_fx.graph_utils.draws`).
+whose arguments make it draw nothing (an eval-mode dropout) is not a draw (:func:`~cadence_fx.analysis.ops.draws`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM
-from cadence_fx.graph_utils import draws
+from cadence_fx.analysis.ops import draws
 from cadence_fx.passes import PassContext
 
 

@@ -12,7 +12,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import REPLAY, SEGMENT, WRAPPED, ReplaySpec, is_state_attr
-from cadence_fx.graph_utils import flat_outputs, is_mutating, view_root
+from cadence_fx.analysis.aliases import view_root
+from cadence_fx.analysis.graph_io import flat_outputs
+from cadence_fx.analysis.ops import is_mutating
 from cadence_fx.passes import PassContext
 
 

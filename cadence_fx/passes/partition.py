@@ -9,7 +9,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
 from cadence_fx.annotations import SEGMENT, WRAPPED
-from cadence_fx.graph_utils import is_mutating
+from cadence_fx.analysis.ops import is_mutating
 from cadence_fx.passes import PassContext
 
 WRAPPED_PREFIX = "wrapped_"
@@ -172,7 +172,7 @@ def _is_effect(n: Node) -> bool:
 
 
 def _reorder(graph: Graph, schedule: list[Node]) -> None:
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out = graph.output_node()
     for n in schedule:
         out.prepend(n)
 

@@ -20,8 +20,9 @@ from cadence_fx.annotations import is_region_attr
 from cadence_fx.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
-from cadence_fx.graph_utils import (aten, cat_dim, flat_outputs, flat_view, is_mutating, is_view, numel, output_node,
-                                    overload_name, set_flat_output, shape_of, view_root, written_in_place)
+from cadence_fx.analysis.aliases import view_root, written_in_place
+from cadence_fx.analysis.graph_io import cat_dim, flat_outputs, flat_view, numel, set_flat_output, shape_of
+from cadence_fx.analysis.ops import aten, is_mutating, is_view, overload_name
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import record_state_bytes
 
@@ -40,10 +41,10 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if not ctx.config.state_rule:
         return gm
     graph = gm.graph
-    out = output_node(graph)
+    out = graph.output_node()
     outs = flat_outputs(graph)
     region_out_idx = {site.region.output % len(outs) for site in ctx.program.sites.values()}
-    buffers = {n for n in graph.nodes if n.op == "get_attr" and is_region_attr(n.target)}
+    buffers = {n for n in graph.find_nodes(op="get_attr") if is_region_attr(n.target)}
     aliased_roots = buffers | {s.placeholder for s in ctx.program.regions.values()}
     copies = 0
     written_direct = 0
@@ -60,7 +61,7 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             state = ctx.program.regions[name]
             value = outs[site.region.output % len(outs)]
             # the input, or the region's buffer (an in-place append reads its history there)
-            sources = {state.placeholder} | {n for n in graph.nodes if n.op == "get_attr" and n.target == state.buffer_attr}
+            sources = {state.placeholder} | set(graph.find_nodes(op="get_attr", target=state.buffer_attr))
             if site.extent > 0 and isinstance(value, Node) and not _depends_on(value, sources, writers):
                 raise ContractError(
                     f"Region {name!r}: output {site.region.output} is not computed from input {site.region.input!r} "
@@ -163,7 +164,7 @@ def _compute_into(graph, src: Node, state, site: RegionSite, writers: dict[Node,
     if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(site.out_shape) or val.dtype != site.dtype \
             or not val.is_contiguous():
         return False
-    region = {state.placeholder} | {n for n in graph.nodes if n.op == "get_attr" and n.target == state.buffer_attr}
+    region = {state.placeholder} | set(graph.find_nodes(op="get_attr", target=state.buffer_attr))
     for a in src.all_input_nodes:  # what it reads of the region is the input itself (an exact overlap)
         if view_root(a) in region and a is not state.placeholder:
             return False

@@ -23,8 +23,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.audit import audit, auditor_node
-from cadence_fx.graph_utils import aten, is_mutating, is_view, output_node, overload_name, shape_of, storage_root, \
-    written_in_place
+from cadence_fx.analysis.aliases import storage_root, written_in_place
+from cadence_fx.analysis.graph_io import shape_of
+from cadence_fx.analysis.ops import aten, is_mutating, is_view, overload_name
 from cadence_fx.passes import PassContext
 
 # functional ops computed by ATen as clone(self) + their in-place twin, with that twin's arguments
@@ -38,7 +39,7 @@ def ring_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
     if not ctx.config.state_rule:
         return gm
     graph = gm.graph
-    outs = output_node(graph).args[0]
+    outs = graph.output_node().args[0]
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     changed = 0
     for name, site in ctx.program.sites.items():
@@ -116,7 +117,7 @@ def _unprovable(graph, ph: Node, epilogue: Node | None, links: list[Node]) -> st
     """Why merging every link's storage into the region input's is not provably exact (None: it is)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     chain = set(links) | ({epilogue} if epilogue is not None else set())
-    out = output_node(graph)
+    out = graph.output_node()
     stock_strides = ph.meta["val"].stride()
     prev = ph
     storages: set[Node] = {ph}

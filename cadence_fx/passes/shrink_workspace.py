@@ -14,8 +14,9 @@ import torch
 from torch.fx import GraphModule
 
 from cadence_fx.annotations import OWNED_PREFIX, WORKSPACE_PREFIX
-from cadence_fx.graph_utils import (access_boxes, is_guard, leaf_consumers, overload_name, reach, register_tensor,
-                                    stride_independent)
+from cadence_fx.analysis.boxes import access_boxes, leaf_consumers, reach, stride_independent
+from cadence_fx.analysis.graph_io import register_tensor
+from cadence_fx.analysis.ops import is_guard, overload_name
 from cadence_fx.passes import PassContext, SharedWorkspace
 
 
@@ -31,7 +32,7 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
         shape = tuple(tensor.shape)
         if not shape:
             continue
-        uses = [n for n in graph.nodes if n.op == "get_attr" and n.target == node.target]
+        uses = graph.find_nodes(op="get_attr", target=node.target)
         found = reach(uses, shape)
         if found is None:
             continue

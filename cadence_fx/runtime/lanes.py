@@ -19,7 +19,8 @@ from torch.fx import GraphModule
 
 from cadence_fx.annotations import OWNED_PREFIX
 from cadence_fx.binding import RegionSite
-from cadence_fx.graph_utils import attribute_writes, fetch_attr
+from cadence_fx.analysis.graph_io import fetch_attr
+from cadence_fx.analysis.writes import attribute_writes
 from cadence_fx.runtime.catalog import Catalog
 from cadence_fx.runtime.runners import RunnerSet
 from cadence_fx.runtime.state import StateStore
