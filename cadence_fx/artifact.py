@@ -1295,8 +1295,11 @@ class _LoadedProgram(OptimizedProgram):
 
         modules: dict[str, torch.nn.Module] = {}
         for m in p["modules"]:
-            if "alias" in m:
+            if "alias" in m:  # one module reached by two paths (a shared submodule): attached at both
                 modules[m["path"]] = modules[m["alias"]]
+                if m["path"]:
+                    parent, _, leaf = m["path"].rpartition(".")
+                    modules[parent].add_module(leaf, modules[m["alias"]])
                 continue
             mod: torch.nn.Module | None = torch.nn.Module() if "graph" not in m else \
                 self._prebuilt.pop((index, m["path"]), None)  # the first lane's: decoded by load
