@@ -78,7 +78,7 @@ serving process, summed over GPUs; per GPU in ``per_gpu``), GPU busy fraction, a
   join or arrived in the second after it (arrival in ``(t_join - 1 s, t_join + 1 s]``) and missed.
   Without it, sessions join before the traffic and the join cost is the mean of those joins.
 
-``--model demo`` swaps Token2Wav for the small demo decoder (``cadence_fx.demo_model``), with
+``--model demo`` swaps Token2Wav for the small demo decoder (``cadence_fx.testing.demo_model``), with
 ``--period`` shorter than 1 s: the CPU smoke test of the multi-process path, not a measurement.
 """
 

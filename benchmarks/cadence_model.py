@@ -60,7 +60,7 @@ def build_bench(args, device: str) -> Bench:
 
 def _demo_bench(device: str) -> Bench:
     from cadence_fx.adapters.streaming import StreamingStep
-    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+    from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 
     class DemoStep(StreamingStep):
         """The demo decoder as a streaming step (noise is a per-chunk input: the stream draws nothing)."""

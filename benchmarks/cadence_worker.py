@@ -52,7 +52,7 @@ def run_worker(args) -> None:
     t0 = time.perf_counter()
     replay: object = "auto"
     if device == "cuda" and args.branches > 1:  # each lane forks the backend, branches included
-        from cadence_fx.replay import CudaGraphBackend
+        from cadence_fx.runtime.backends import CudaGraphBackend
 
         replay = CudaGraphBackend(branches=args.branches, blas_streams=args.blas_streams)
     prog = cf.optimize(eps, bench.contract, lanes=args.lanes, replay=replay)

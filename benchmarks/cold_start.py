@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import cadence_fx as cf
     from cadence_fx.adapters import token2wav as t2w
-    from cadence_fx.adapters.upstream import load_stepaudio2
+    from cadence_fx.adapters.stepaudio2 import load_stepaudio2
     from cadence_fx.determinism import describe_envelope, pin_envelope, sha256_tensors
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

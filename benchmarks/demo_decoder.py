@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cadence_fx as cf  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
+from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
 from cadence_fx.determinism import describe_envelope, pin_envelope  # noqa: E402
 from cadence_fx.runtime.catalog import reference  # noqa: E402
 

@@ -30,7 +30,7 @@ import cadence_fx as cf  # noqa: E402
 import cadence_fx.pipeline as pipeline  # noqa: E402
 from cadence_fx.adapters import moshi as mo  # noqa: E402
 from cadence_fx.adapters.streaming import export_step_catalog  # noqa: E402
-from cadence_fx.replay import FakeBackend  # noqa: E402
+from cadence_fx.testing.fake_backend import FakeBackend  # noqa: E402
 
 
 class NoReplay(FakeBackend):

@@ -22,7 +22,7 @@ tokens). Cells:
 - ``SRnt``    SR without the undo log of the default programs (``transactional=False``): beside SR,
               what keeping the state through a call that raises costs per frame;
 - ``SRb``     SR with each graph's independent chains captured on up to three parallel streams of the
-              graph (``CudaGraphBackend(branches=3)``, ``cadence_fx.branches``): the same kernels;
+              graph (``CudaGraphBackend(branches=3)``, ``cadence_fx.analysis.branch_plan``): the same kernels;
 - ``E``       the exported steps as torch.export gives them (``ep.module()``), no cadence_fx: the program
               every optimized cell must equal, run against the stock code it was exported from;
 - ``Snh``     S with Mimi's encode and decode contracts hoisting nothing (``hoist_constants=False,

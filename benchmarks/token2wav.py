@@ -26,7 +26,7 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
                  ``inline_autocast`` pass), gated against ``B0h``.
 - ``SRcb``/``SRchb``  ``SRc``/``SRch`` captured with ``CudaGraphBackend(branches=3)``: each graph's independent
                  chains (projections, rotary embeddings, parallel residual blocks) on up to three streams of
-                 the one graph (``cadence_fx.branches``); the same kernels, gated against ``B0``/``B0h``.
+                 the one graph (``cadence_fx.analysis.branch_plan``); the same kernels, gated against ``B0``/``B0h``.
 - ``SRchb2``     ``SRchb`` with the matrix products on two of the three streams (``blas_streams=2``): the
                  process keeps one cuBLAS workspace fewer.
 - ``B0n``        the 1.0.7 driver as it ships (``minicpmo-utils-1.0.7``): the flow step with the 1.0.7 trims
@@ -102,7 +102,7 @@ OPT_CELLS = {
     # transaction costs per call
     "SRcnt": dict(state=True, replay="auto", granularity="chunk", step_segments=True, transactional=False),
     "SRch": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True),
-    # SRc / SRch with each graph's independent chains captured on parallel streams (cadence_fx.branches)
+    # SRc / SRch with each graph's independent chains captured on parallel streams (cadence_fx.analysis.branch_plan)
     "SRcb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, branches=3),
     "SRchb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True, branches=3),
     # SRchb with the matrix products on two of the three streams: one cuBLAS workspace fewer
@@ -118,7 +118,7 @@ VOCODER_EXAMPLE_CHUNKS = 6  # mel chunks streamed to find the BoundedVocoder's d
 
 # --------------------------------------------------------------------------- building
 def _upstream(driver: str = "0.1.2"):
-    from cadence_fx.adapters.upstream import load_stepaudio2
+    from cadence_fx.adapters.stepaudio2 import load_stepaudio2
 
     root = Path(os.environ.get("CADENCE_FX_UPSTREAM", ROOT / ".upstream"))
     return load_stepaudio2(root / UPSTREAM_FOLDERS[driver])
@@ -366,7 +366,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     t0 = time.perf_counter()
     replay = spec["replay"]
     if spec.get("branches", 1) > 1 and device == "cuda":
-        from cadence_fx.replay import CudaGraphBackend
+        from cadence_fx.runtime.backends import CudaGraphBackend
 
         replay = CudaGraphBackend(branches=spec["branches"], blas_streams=spec.get("blas_streams"))
     prog = cf.optimize(eps, contract, replay=replay, state=spec["state"], transactional=spec.get("transactional", True))

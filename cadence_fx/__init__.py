@@ -7,14 +7,14 @@
 
 import logging
 
-from cadence_fx.audit import RetentionMismatch
+from cadence_fx.runtime.audit import RetentionMismatch
 from cadence_fx.contract import (WHOLE_STEP, Clock, Contract, ContractError, HeadTail, Region, Ring,
                                  SlidingWindow)
 from cadence_fx.export import example_inputs, export_catalog
-from cadence_fx.passes.hoist_constants import WeightsChanged
+from cadence_fx.runtime.weights import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, plan, region_extents
 from cadence_fx.program import OptimizedProgram, optimize
-from cadence_fx.replay import CudaGraphBackend
+from cadence_fx.runtime.backends import CudaGraphBackend
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
 from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot

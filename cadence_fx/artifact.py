@@ -80,10 +80,11 @@ from cadence_fx.annotations import RANDOM, REPLAY, SEGMENT, WRAPPED, ReplaySpec
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Clock, Contract, HeadTail, Region, Ring, SlidingWindow
 from cadence_fx.determinism import sha256_tensors
-from cadence_fx.passes import CatalogTables, ProgramFacts, SharedWorkspace
-from cadence_fx.passes.hoist_constants import FoldedWeights, WeightsChanged
+from cadence_fx.passes import ProgramFacts
+from cadence_fx.runtime.workspaces import CatalogTables, SharedWorkspace
+from cadence_fx.runtime.weights import FoldedWeights, WeightsChanged
 from cadence_fx.plan import Plan, RegionPlan
-from cadence_fx.program import OptimizedProgram, Replay, _check_lanes
+from cadence_fx.program import OptimizedProgram, Replay, check_lanes
 from cadence_fx.runtime.clone import HOOKS as _HOOKS, MODULE_INTERNALS as _MODULE_INTERNALS
 from cadence_fx.runtime.clone import export_guards as _export_guards
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
@@ -100,7 +101,7 @@ log = logging.getLogger("cadence_fx")
 # targets dotted identifiers the stored module tree holds, and call targets come from these tables.
 # - call_function, besides operators of these torch.ops namespaces that this torch's dispatcher has
 #   (which refuses TorchScript-only ones such as aten::save): the Python functions the exported
-#   graphs and the passes emit (the passes emit ATen operators only; cadence_fx.audit.audit is verify
+#   graphs and the passes emit (the passes emit ATen operators only; cadence_fx.runtime.audit.audit is verify
 #   mode's, which is not saved)
 _OP_NAMESPACES = ("aten", "prims")
 _REFUSED_OPS = ("aten::from_file",)  # maps the file its argument names (written through, when shared)
@@ -832,7 +833,7 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
         ArtifactMismatch: another torch/CUDA version, device, GPU model, kernel setting or contract.
     """
     t0 = time.perf_counter()
-    _check_lanes(lanes)
+    check_lanes(lanes)
     payload = _read(Path(path), sha256)
     t_read = time.perf_counter()
     with _malformed(path):  # whatever a malformed payload raises while it is decoded: ArtifactError

@@ -15,13 +15,13 @@ from typing import Any, Sequence
 
 def _load(target: str) -> tuple[Any, Any]:
     if target == "demo":
-        from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+        from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # deferred: torch
 
         cfg = DemoConfig()
         contract = demo_contract(cfg)
         return export_catalog(StreamingDecoder(cfg).eval(), contract), contract
     if target == "token2wav":
-        from cadence_fx.adapters import token2wav
+        from cadence_fx.adapters import token2wav  # deferred: only this target needs the adapter
 
         return token2wav.plan_target()
     if ":" not in target:
@@ -51,10 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("target")
     args = ap.parse_args(argv)
     if args.cmd == "plan":
-        from cadence_fx.plan import plan
+        from cadence_fx.plan import plan  # deferred: --help answers without importing torch
 
-        from cadence_fx.adapters.upstream import UpstreamNotFound
-        from cadence_fx.contract import ContractError
+        from cadence_fx.adapters.stepaudio2 import UpstreamNotFound  # deferred: as above
+        from cadence_fx.contract import ContractError  # deferred: as above
 
         try:
             exported, contract = _load(args.target)

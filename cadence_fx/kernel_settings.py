@@ -3,7 +3,7 @@
 A CUDA graph replays the kernels chosen when it was captured; a hoisted constant holds the bits the
 kernels of ``optimize`` made. Both are exact only while every setting that steers kernel choice is
 what it was then. Three places need the same list and read it from here: the replay key
-(:meth:`cadence_fx.replay.ExactShapeReplay.signature`, on every call: a changed setting is a new
+(:meth:`cadence_fx.runtime.exact_replay.ExactShapeReplay.signature`, on every call: a changed setting is a new
 class, captured again in the next warm-up and run eagerly until then), the artifact check
 (:func:`cadence_fx.artifact.load` refuses an artifact built under other settings) and the
 determinism envelope (:func:`cadence_fx.determinism.envelope_settings`, printed next to results).

@@ -19,15 +19,16 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from cadence_fx.audit import Auditor
+from cadence_fx.runtime.audit import Auditor
 from cadence_fx.binding import RegionSite, bind_regions
-from cadence_fx.catalog import share_catalog_tensors
+from cadence_fx.shared_weights import share_catalog_tensors
 from cadence_fx.contract import Contract, ContractError
 from cadence_fx.analysis.graph_io import fetch_attr, numel
 from cadence_fx.analysis.writes import attribute_writes
-from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
-from cadence_fx.passes.hoist_constants import FoldedWeights
-from cadence_fx.passes.shrink_workspace import rebind_shared_workspaces, release_stale_workspaces
+from cadence_fx.passes import PassConfig, PassContext, ProgramFacts
+from cadence_fx.runtime.workspaces import CatalogTables
+from cadence_fx.runtime.weights import FoldedWeights
+from cadence_fx.runtime.workspaces import rebind_shared_workspaces, release_stale_workspaces
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.plan import Plan, plan as make_plan
 from cadence_fx.progress import Progress
@@ -35,6 +36,7 @@ from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, progra
 from cadence_fx.runtime.clone import NotCopyable, copy_lane
 from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime import owners
+from cadence_fx.runtime.backends import CudaGraphBackend
 from cadence_fx.runtime.rng import RngStates, draw_random
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner, RunnerSet, install_runners, isolate_randomness
 from cadence_fx.runtime.sessions import Session
@@ -82,7 +84,7 @@ class OptimizedProgram:
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
                  replay: Replay | Any, state: bool = True, lanes: int = 1, transactional: bool = True) -> None:
-        _check_lanes(lanes)
+        check_lanes(lanes)
         # programs saved and loaded separately carry one copy of the weights each: fold them into one
         shared_bytes = share_catalog_tensors(exported)
         self._setup(contract, plan=make_plan(exported, contract), names=input_names(exported[0]),
@@ -611,7 +613,7 @@ def _input_bytes(key: tuple) -> int:
     return total
 
 
-def _check_lanes(lanes: object) -> None:
+def check_lanes(lanes: object) -> None:
     if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
         raise ValueError(f"lanes must be a positive int, got {lanes!r}")
 
@@ -620,8 +622,6 @@ def _pick_backend(replay: Replay | Any) -> Any:
     if replay == "off":
         return None
     if replay == "auto":
-        from cadence_fx.replay import CudaGraphBackend
-
         backend = CudaGraphBackend()
         return backend if backend.available() else None
     return replay

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cadence_fx as cf  # noqa: E402
 from benchmarks.harness import peak_mib, time_stream  # noqa: E402
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
+from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 from cadence_fx.runtime.catalog import reference  # noqa: E402
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import cadence_fx as cf  # noqa: E402
 from cadence_fx.adapters import token2wav as t2w  # noqa: E402
-from cadence_fx.adapters.upstream import load_stepaudio2  # noqa: E402
+from cadence_fx.adapters.stepaudio2 import load_stepaudio2  # noqa: E402
 from cadence_fx.determinism import pin_envelope, sha256_tensors  # noqa: E402
 from benchmarks.harness import sync  # noqa: E402
 

@@ -58,7 +58,7 @@ def demo_catalog(cfg=None):
     """The demo decoder (seed 0), its contract and its exported catalog: (model, contract, eps)."""
     import torch
 
-    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+    from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 
     cfg = cfg or DemoConfig()
     torch.manual_seed(0)

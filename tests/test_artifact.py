@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import cadence_fx as cf
-from cadence_fx.demo_model import DemoConfig
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.demo_model import DemoConfig
+from cadence_fx.testing.fake_backend import FakeBackend
 from tests.helpers import demo_catalog, live_view, sha256
 
 CFG = DemoConfig()

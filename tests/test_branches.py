@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cadence_fx.branches import _alias, plan_branches
+from cadence_fx.analysis.branch_plan import _alias, plan_branches
 
 
 def _kernel_producers(n, kernel_of):
@@ -74,7 +74,7 @@ def check_plan(gm, plan) -> None:
 
 
 def _pure_in(plan, n) -> bool:
-    from cadence_fx.branches import _pure
+    from cadence_fx.analysis.branch_plan import _pure
     return _pure(n)
 
 
@@ -224,7 +224,7 @@ def test_the_run_follows_its_plan_stream_by_stream(monkeypatch):
     each planned wait is issued on the waiting stream before the kernel, for an event recorded on the
     producer's stream after the producer ran; side streams fork from stream 0 first and join at the
     output; the results are the partition's own."""
-    from cadence_fx import branches
+    from cadence_fx.runtime import branch_run as branches
 
     def f(x, state):
         a = x.sin().cos()
@@ -281,7 +281,7 @@ def test_the_run_follows_its_plan_stream_by_stream(monkeypatch):
 def test_a_backend_refuses_fewer_than_one_stream():
     import pytest
 
-    from cadence_fx.replay import CudaGraphBackend
+    from cadence_fx.runtime.backends import CudaGraphBackend
 
     with pytest.raises(ValueError, match="branches must be >= 1"):
         CudaGraphBackend(branches=0)
@@ -293,7 +293,7 @@ def test_a_tensor_read_on_another_stream_lives_until_the_next_barrier(monkeypatc
     which inside a capture defers its reuse to the capture's end) until the next fence or the final join
     has been launched, and released there: the allocator cannot hand its memory to a kernel that is not
     ordered after the read."""
-    from cadence_fx import branches
+    from cadence_fx.runtime import branch_run as branches
 
     def f(x, state):
         a = x.sin().cos()
@@ -369,7 +369,7 @@ def test_an_eval_mode_dropout_and_an_attention_without_dropout_are_kernels_not_f
 def test_matrix_products_stay_on_the_first_blas_streams():
     """``blas_streams=k``: every cuBLAS call (mm, addmm, bmm, linear, SDPA...) is placed on one of the
     first k streams, so the process keeps k cuBLAS workspaces; the other kernels may use every stream."""
-    from cadence_fx.branches import _uses_blas
+    from cadence_fx.analysis.branch_plan import _uses_blas
 
     def f(x, w):
         q, k, v = x @ w, (x + 1) @ w, (x - 1) @ w
@@ -385,7 +385,7 @@ def test_matrix_products_stay_on_the_first_blas_streams():
         assert plan.streams == 3  # the pointwise chains still spread
     import pytest
 
-    from cadence_fx.replay import CudaGraphBackend
+    from cadence_fx.runtime.backends import CudaGraphBackend
 
     with pytest.raises(ValueError, match="blas_streams must be in 1..branches"):
         CudaGraphBackend(branches=2, blas_streams=3)

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cadence_fx.contract import Contract
-from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
+from cadence_fx.passes import PassConfig, PassContext, ProgramFacts
+from cadence_fx.runtime.workspaces import CatalogTables
 from cadence_fx.passes.cat_into_place import cat_into_place
 
 

@@ -11,7 +11,7 @@ import torch
 
 import cadence_fx as cf
 from cadence_fx.annotations import WORKSPACE_PREFIX
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 from cadence_fx.analysis.ops import overload_name
 from tests.helpers import live_view, run_streams, sha256
 
@@ -219,7 +219,7 @@ def test_no_grad_block_is_inlined_and_its_host_constant_hoisted():
 
 
 def test_admission_predicate_keeps_refused_classes_eager():
-    from cadence_fx.replay import FakeBackend
+    from cadence_fx.testing.fake_backend import FakeBackend
 
     cfg = DemoConfig()
     model, contract, eps = _setup(cfg)
@@ -282,7 +282,7 @@ def test_warmup_snapshots_no_region_or_workspace_per_capture(monkeypatch):
     """Warm-up keeps one host copy of the regions and workspaces for the whole warm-up; the captures
     inside it (the solver's writes into its history, which is the region buffer) do not snapshot them
     again, and the stream after warm-up is still bit-exact."""
-    from cadence_fx.replay import FakeBackend
+    from cadence_fx.testing.fake_backend import FakeBackend
 
     cfg = DemoConfig()
     model, contract, eps = _setup(cfg, wrap=("encoder", "solver.estimator"))

@@ -9,7 +9,8 @@ import torch
 import cadence_fx as cf
 from cadence_fx.contract import Contract
 from cadence_fx.analysis.ops import is_guard
-from cadence_fx.passes import CatalogTables, PassConfig, PassContext, ProgramFacts
+from cadence_fx.passes import PassConfig, PassContext, ProgramFacts
+from cadence_fx.runtime.workspaces import CatalogTables
 from cadence_fx.passes.drop_static_guards import drop_static_guards
 
 

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cadence_fx as cf
 from cadence_fx.determinism import sha256_tensors
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.fake_backend import FakeBackend
 from cadence_fx.runtime.errors import StateMismatch  # not exported as cf.StateMismatch
 from tests.streaming_models import (LAYOUTS, ModelSpec, RegionSpec, StreamStep, example_args, export_catalog,
                                     true_contract)

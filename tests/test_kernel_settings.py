@@ -25,10 +25,10 @@ import torch
 
 import cadence_fx as cf
 from cadence_fx import artifact, kernel_settings
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 from cadence_fx.determinism import envelope_settings
 from cadence_fx.kernel_settings import TABLE, UNREADABLE, KernelSetting
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.fake_backend import FakeBackend
 from tests.helpers import demo_catalog
 
 CFG = DemoConfig()

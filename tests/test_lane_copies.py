@@ -12,8 +12,8 @@ from torch.fx import GraphModule
 
 import cadence_fx as cf
 from cadence_fx import pipeline, program as program_mod
-from cadence_fx.demo_model import DemoConfig
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.demo_model import DemoConfig
+from cadence_fx.testing.fake_backend import FakeBackend
 from cadence_fx.runtime.clone import NotCopyable, copy_program
 from tests.helpers import demo_catalog, sha256
 

@@ -24,7 +24,7 @@ from cadence_fx.adapters import moshi as mo
 from cadence_fx.adapters.streaming import CatalogReference, export_step_catalog
 from cadence_fx.determinism import sha256_tensors
 from cadence_fx.plan import state_traffic
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.fake_backend import FakeBackend
 
 pytestmark = pytest.mark.upstream
 

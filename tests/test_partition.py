@@ -12,7 +12,7 @@ import cadence_fx as cf
 from cadence_fx.annotations import SEGMENT, WRAPPED
 from cadence_fx.passes.mark_replay import written_arguments
 from cadence_fx.passes.partition import breaks_capture
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.fake_backend import FakeBackend
 
 N_FFT, HOP = 16, 4
 
@@ -89,7 +89,7 @@ def test_write_analysis_names_exactly_the_written_arguments():
 
 
 def test_only_written_arguments_are_snapshotted_by_capture():
-    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+    from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 
     cfg = DemoConfig()
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def _demo_split_at_estimator():
     model, contract, exported catalog, and the per-call inputs of a seeded stream."""
     import dataclasses
 
-    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+    from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 
     cfg = DemoConfig()
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def test_split_at_names_a_missing_module_clearly():
 
     import pytest
 
-    from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+    from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 
     cfg = DemoConfig()
     model = StreamingDecoder(cfg).eval()

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cadence_fx as cf
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 from tests.helpers import live_view, run_streams, sha256
 
 REGION_OUT = {1: 1, 2: 2, 3: 3}

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cadence_fx.determinism import envelope, sha256_tensors
-from cadence_fx.replay import CudaGraphBackend, ExactShapeReplay
+from cadence_fx.runtime.backends import CudaGraphBackend
+from cadence_fx.runtime.exact_replay import ExactShapeReplay
 
 pytestmark = [
     pytest.mark.cuda,

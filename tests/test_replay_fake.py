@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from cadence_fx.determinism import (NotReproducibleError, check_reproducible, envelope,
                                     pin_envelope, sha256_tensors)
-from cadence_fx.replay import CudaGraphBackend, ExactShapeReplay, FakeBackend
+from cadence_fx.runtime.backends import CudaGraphBackend
+from cadence_fx.runtime.exact_replay import ExactShapeReplay
+from cadence_fx.testing.fake_backend import FakeBackend
 
 
 def affine(x, w, b):
@@ -470,7 +472,7 @@ def test_engines_sharing_an_arena_stay_exact_and_hold_the_largest_class_only():
     """Two engines (two partitions of one lane) stage into one arena: each replay loads its own
     arguments first, so interleaved calls with the callers' tensors changing between them are exact,
     and the arena holds the largest class, not the sum over classes."""
-    from cadence_fx.replay import StagingArena
+    from cadence_fx.runtime.staging import StagingArena
 
     arena = StagingArena()
     e1, e2 = engine(affine, arena=arena), engine(affine, arena=arena)
@@ -490,7 +492,7 @@ def test_engines_sharing_an_arena_stay_exact_and_hold_the_largest_class_only():
 
 
 def test_arena_packs_one_class_without_overlap_and_keeps_pointer_alignment():
-    from cadence_fx.replay import StagingArena
+    from cadence_fx.runtime.staging import StagingArena
 
     arena = StagingArena()
     base = torch.zeros(64)
@@ -517,7 +519,7 @@ def test_threads_sharing_a_backend_take_turns_at_its_shared_buffers():
     import sys
     import threading
 
-    from cadence_fx.replay import StagingArena
+    from cadence_fx.runtime.staging import StagingArena
 
     backend, arena = FakeBackend(), StagingArena()
     e1 = engine(affine, backend=backend, arena=arena)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cadence_fx as cf
-from cadence_fx.replay import FakeBackend
+from cadence_fx.testing.fake_backend import FakeBackend
 
 C, N, D = 8, 2, 4
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cadence_fx as cf
-from cadence_fx.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
+from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 from cadence_fx.determinism import pin_envelope
 from tests.helpers import live_view, sha256
 

@@ -27,7 +27,7 @@ from cadence_fx.adapters.token2wav import (
     build_causal_vocoder, build_dit, build_encoder, build_flow, build_vocoder, dit_step_contract,
     encoder_step_contract, example_prompt, export_plan_step, export_step_catalog, new_bounded_stream,
     run_stock_stream, run_stream, token2wav_contract)
-from cadence_fx.adapters.upstream import load_stepaudio2
+from cadence_fx.adapters.stepaudio2 import load_stepaudio2
 from cadence_fx.determinism import sha256_tensors
 
 pytestmark = pytest.mark.upstream
@@ -250,7 +250,7 @@ def step_catalog(cfg):
 
 def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     """``step_segments=False``: the CFM loop is one partition (one graph); same bits."""
-    from cadence_fx.replay import FakeBackend
+    from cadence_fx.testing.fake_backend import FakeBackend
 
     step, _prompt, state, fresh, _contract, eps = step_catalog
     contract = token2wav_contract(cfg, "chunk", driver="0.1.2", step_segments=False)
@@ -269,7 +269,7 @@ def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segm
     cache slice is cut by the eager CFM loop between two replayed partitions) and at the chunk clock
     split at the estimator (``split_at``). The slice is a view of the region buffer, passed in place
     (aliased, pointer-checked), not staged, and the stream stays bit-exact."""
-    from cadence_fx.replay import FakeBackend
+    from cadence_fx.testing.fake_backend import FakeBackend
 
     step, _prompt, state, fresh, contract, eps = step_catalog
     if segments:
@@ -355,7 +355,7 @@ def test_bounded_vocoder_decode_replays_bit_exact(cfg, caplog):
     of its caches), installed as the model's ``decode``; the host bookkeeping stays stock. The PCM
     stream is bit-identical; the flush call's shapes are outside the catalog: eager, counted, logged once."""
     from cadence_fx.adapters.bounded_vocoder import replay_bounded_vocoder
-    from cadence_fx.replay import FakeBackend
+    from cadence_fx.testing.fake_backend import FakeBackend
 
     up = upstream("1.0.7")
     ref = build_causal_vocoder(up, cfg)

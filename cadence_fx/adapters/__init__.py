@@ -3,7 +3,7 @@
 - :mod:`cadence_fx.adapters.streaming`: model-agnostic: the :class:`StreamingStep` convention
   (inputs, carried state, an export hook), per-catalog-class export, stream driving and the
   reference over the unmodified exported programs.
-- :mod:`cadence_fx.adapters.upstream`: loads the ``stepaudio2`` decoder modules from a
+- :mod:`cadence_fx.adapters.stepaudio2`: loads the ``stepaudio2`` decoder modules from a
   ``pip install --no-deps --target`` folder of ``minicpmo`` 0.1.2 or ``minicpmo-utils`` 1.0.7
   without running the package ``__init__``.
 - :mod:`cadence_fx.adapters.token2wav`: the Step-Audio2 / MiniCPM-o Token2Wav streaming decoder

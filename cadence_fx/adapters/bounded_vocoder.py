@@ -103,7 +103,7 @@ def replay_bounded_vocoder(vocoder: Any, example_mel: Sequence[torch.Tensor], *,
         example_mel: mel chunks as the driver passes them to ``stream`` (``[1, 80, frames]``),
             enough for the decoder's shapes to start repeating (a few chunks).
         replay: as :func:`cadence_fx.optimize` (``"auto"``: CUDA graphs on a GPU, eager otherwise;
-            or a backend object such as ``cadence_fx.replay.FakeBackend()``).
+            or a backend object such as ``cadence_fx.testing.fake_backend.FakeBackend()``).
         finalize: also stream a final (flush) call, so its shapes join the catalog.
 
     Returns the installed :class:`ReplayedDecode` (its ``counters()`` say what ran how). Every

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
+from cadence_fx.runtime.workspaces import CatalogTables
 
 if TYPE_CHECKING:
-    from cadence_fx.audit import Auditor
-    from cadence_fx.passes.hoist_constants import FoldedWeights
+    from cadence_fx.runtime.audit import Auditor
+    from cadence_fx.runtime.weights import FoldedWeights
 
 log = logging.getLogger("cadence_fx.passes")
 
@@ -36,31 +37,6 @@ class PassConfig:
     state_rule: bool = True  # off: regions stay as the program allocates them (the paper's R cells)
     verify: bool = False     # shadow-run the stock concatenations and compare (needs the state rule)
     auditor: "Auditor | None" = None
-
-
-@dataclass
-class SharedWorkspace:
-    """One demand-sized copy of a program-owned workspace, shared by every program of a catalog."""
-
-    stock: torch.Tensor | None  # the user's workspace (dropped once every program is built)
-    bounds: list[int]           # the union of the boxes the programs reach
-    tensor: torch.Tensor | None = None
-    stale: list[torch.Tensor] = field(default_factory=list)  # outgrown copies, freed after the last program
-
-
-@dataclass
-class CatalogTables:
-    """What the programs of one catalog share, filled as they are rewritten one after another."""
-
-    # hoisted constants by (shape, stride, dtype, device, digest): one buffer per value
-    constants: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
-    # workspace copies by the stock workspace's (storage, offset, shape, dtype)
-    workspaces: dict[tuple, SharedWorkspace] = field(default_factory=dict)
-    # SHA-256 of the weights hoisted cones read, by (pointer, shape, stride, dtype, version)
-    digests: dict[tuple, str] = field(default_factory=dict)
-    # autocast blocks retraced by ``inline_autocast``, by (subgraph code, autocast arguments, operands):
-    # every lane rewrites the same programs, and the retrace is the slow part of the pipeline
-    retraced: dict[tuple, GraphModule] = field(default_factory=dict)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import REGION_PREFIX
-from cadence_fx.audit import audit, auditor_node
+from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
 from cadence_fx.analysis.boxes import reach
 from cadence_fx.analysis.graph_io import cat_dim, flat_outputs, flat_view, numel, register_tensor, shape_of

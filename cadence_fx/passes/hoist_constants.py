@@ -20,8 +20,6 @@ once; a :class:`FoldedWeights` guard makes a later in-place change of one an err
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
@@ -32,6 +30,7 @@ from cadence_fx.analysis.aliases import view_root
 from cadence_fx.analysis.graph_io import fetch_attr, register_tensor
 from cadence_fx.analysis.ops import is_mutating, is_random, is_view, overload_name
 from cadence_fx.passes import PassContext
+from cadence_fx.runtime.weights import FoldedWeights
 
 # Factory ops whose result is fully determined by their arguments. ``empty*`` is left out:
 # its contents are whatever the allocator hands back, so computing it "once" is not exact.
@@ -43,39 +42,6 @@ _UNDEFINED = {"empty", "empty_like", "empty_strided"}
 # In-place ops that change no value of a program run without autograd: ``torch.tensor(x)`` exports as
 # ``lift_fresh_copy`` + ``detach_``, and the cone must go on through it.
 _INERT_IN_PLACE = {"detach_"}
-
-
-class WeightsChanged(RuntimeError):
-    """A weight folded at optimize time was changed in place afterwards."""
-
-
-@dataclass
-class FoldedWeights:
-    """The weights and constants one program's hoisted cones read, with their version counters and
-    the SHA-256 of their bytes when they were read."""
-
-    sources: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-    digests: dict[str, str] = field(default_factory=dict)
-
-    def check(self) -> None:
-        """Raise :class:`WeightsChanged` when a source was written since it was folded (a few µs a call)."""
-        for name, t, version in self.sources:
-            if t._version != version:
-                raise WeightsChanged(
-                    f"weight {name!r} changed in place after cadence_fx.optimize computed constants from "
-                    f"it once; optimize again with the new weights")
-
-    def verify(self) -> None:
-        """Raise :class:`WeightsChanged` when a source's bytes differ from when it was folded.
-
-        A full read of every source: it also catches edits that bypass the version counter
-        (``w.data.mul_(2)``), which :meth:`check` cannot see.
-        """
-        for name, t, _version in self.sources:
-            if name in self.digests and sha256_tensors(t) != self.digests[name]:
-                raise WeightsChanged(
-                    f"weight {name!r} differs from its bytes when cadence_fx.optimize computed constants from it "
-                    f"(an edit through .data or another alias); optimize again with the new weights")
 
 
 def hoist_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:

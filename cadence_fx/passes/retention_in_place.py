@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import is_region_attr
-from cadence_fx.audit import audit, auditor_node
+from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
 from cadence_fx.analysis.aliases import view_root, written_in_place

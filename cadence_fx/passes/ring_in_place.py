@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.audit import audit, auditor_node
+from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.analysis.aliases import storage_root, written_in_place
 from cadence_fx.analysis.graph_io import shape_of
 from cadence_fx.analysis.ops import aten, is_mutating, is_view, overload_name

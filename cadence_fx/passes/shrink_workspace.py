@@ -17,7 +17,8 @@ from cadence_fx.annotations import OWNED_PREFIX, WORKSPACE_PREFIX
 from cadence_fx.analysis.boxes import access_boxes, leaf_consumers, reach, stride_independent
 from cadence_fx.analysis.graph_io import register_tensor
 from cadence_fx.analysis.ops import is_guard, overload_name
-from cadence_fx.passes import PassContext, SharedWorkspace
+from cadence_fx.passes import PassContext
+from cadence_fx.runtime.workspaces import SharedWorkspace
 
 
 def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -88,40 +89,6 @@ def _shared_copy(gm: GraphModule, table: dict[tuple, SharedWorkspace], stock: to
             entry.stale.append(entry.tensor)
         entry.tensor = stock[tuple(slice(0, b) for b in union)].clone()
     return register_tensor(gm, WORKSPACE_PREFIX, entry.tensor)
-
-
-def rebind_shared_workspaces(gm: GraphModule, table: dict[tuple, SharedWorkspace]) -> None:
-    """Point every module of ``gm`` that holds an outgrown workspace copy at the final (union) copy.
-
-    Programs built before a later class grew the box still reference the smaller copy; this runs
-    once all programs exist, before anything is captured.
-    """
-    final = {id(old): e.tensor for e in table.values() for old in e.stale}
-    if not final:
-        return
-    for mod in gm.modules():
-        for name, buf in list(mod._buffers.items()):
-            if buf is not None and id(buf) in final:
-                mod._buffers[name] = final[id(buf)]
-        for name, val in list(vars(mod).items()):
-            if isinstance(val, torch.Tensor) and id(val) in final:
-                setattr(mod, name, final[id(val)])
-
-
-def release_stale_workspaces(table: dict[tuple, SharedWorkspace]) -> int:
-    """Free the outgrown copies once every program points at the union copy; returns the bytes freed.
-
-    The passes' intermediate modules (the graph before partitioning) can outlive the pipeline and
-    still name an outgrown copy; the copies are ours (clones), so their storage is released outright.
-    """
-    freed = 0
-    for e in table.values():
-        for old in e.stale:
-            freed += old.untyped_storage().nbytes()
-            old.untyped_storage().resize_(0)
-        e.stale.clear()
-        e.stock = None  # the stock workspace belongs to the user's module, not to the program
-    return freed
 
 
 def _key(t: torch.Tensor) -> tuple:

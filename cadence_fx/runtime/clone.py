@@ -22,7 +22,7 @@ import torch
 from torch.fx import Graph, GraphModule
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from cadence_fx.passes import SharedWorkspace
+from cadence_fx.runtime.workspaces import SharedWorkspace
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
 from cadence_fx.runtime.state import StateStore
 

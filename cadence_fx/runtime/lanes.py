@@ -24,7 +24,7 @@ from cadence_fx.analysis.writes import attribute_writes
 from cadence_fx.runtime.catalog import Catalog
 from cadence_fx.runtime.runners import RunnerSet
 from cadence_fx.runtime.state import StateStore
-from cadence_fx.streams import StreamHandoff
+from cadence_fx.runtime.streams import StreamHandoff
 
 if TYPE_CHECKING:
     from cadence_fx.passes import ProgramFacts

@@ -20,6 +20,7 @@ torch lacks them, :func:`replaying_draws` orders those replays across lanes inst
 
 from __future__ import annotations
 
+import random
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,12 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "drawing", "replaying_draws",
+try:
+    import numpy as _np
+except ImportError:  # numpy is optional; its global RNG is then not watched
+    _np = None
+
+__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "drawing", "host_rng", "host_rng_equal", "replaying_draws", "set_host_rng",
            "session_rng"]
 
 _lock = threading.RLock()
@@ -162,3 +168,24 @@ def draw_random(op: Any, *args: Any, **kwargs: Any) -> Any:
     """An eager random op of the step, drawn from the active session's streams (graph-side hook)."""
     with drawing():
         return op(*args, **kwargs)
+
+
+def host_rng() -> tuple:
+    """The host generators a replay must not touch: torch's CPU one, Python's, numpy's global one."""
+    return (torch.get_rng_state(), random.getstate(), _np.random.get_state() if _np is not None else None)
+
+
+def set_host_rng(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    if _np is not None:
+        _np.random.set_state(state[2])
+
+
+def host_rng_equal(a: tuple, b: tuple) -> bool:
+    if not torch.equal(a[0], b[0]) or a[1] != b[1]:
+        return False
+    if _np is None:
+        return True
+    (na, ka, *ra), (nb, kb, *rb) = a[2], b[2]
+    return na == nb and _np.array_equal(ka, kb) and ra == rb

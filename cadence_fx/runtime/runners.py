@@ -19,7 +19,9 @@ import torch
 from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM, replay_spec
-from cadence_fx.replay import ExactShapeReplay, ReplayBackend, StagingArena
+from cadence_fx.runtime.backends import ReplayBackend
+from cadence_fx.runtime.exact_replay import ExactShapeReplay
+from cadence_fx.runtime.staging import StagingArena
 from cadence_fx.runtime.rng import draw_random, drawing
 
 log = logging.getLogger(__name__)

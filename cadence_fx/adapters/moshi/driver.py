@@ -17,8 +17,10 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from cadence_fx.adapters.moshi.build import build_lm, build_lm_gen, build_mimi
 from cadence_fx.adapters.moshi.state import write_state
 from cadence_fx.adapters.moshi.steps import LMStep, MimiDecodeStep, MimiEncodeStep, MoshiStep, upstream_eager
+from cadence_fx.runtime.backends import CudaGraphBackend
 
 __all__ = ["Frame", "StreamSteps", "build_steps", "install_state", "reset_host_counters", "step_frame", "step_stream",
            "stock_stream",
@@ -162,11 +164,9 @@ def shared_replay(device: torch.device | str, *, branches: int = 1) -> Any:
     Their replays are serialized by the backend (``CudaGraphBackend.exclusive``), so calls from several
     threads stay exact but do not overlap. Concurrent conversations that should run in parallel go
     through lanes (each lane forks a backend of its own). ``branches`` > 1: independent chains of each
-    graph on that many parallel streams (:mod:`cadence_fx.branches`). Off CUDA: ``"auto"`` (no replay)."""
+    graph on that many parallel streams (:mod:`cadence_fx.analysis.branch_plan`). Off CUDA: ``"auto"`` (no replay)."""
     if torch.device(device).type != "cuda":
         return "auto"
-    from cadence_fx.replay import CudaGraphBackend
-
     return CudaGraphBackend(torch.device(device).index, branches=branches)
 
 
@@ -180,8 +180,6 @@ def user_audio(frames: int, *, batch_size: int = 1, frame_size: int = 1920, seed
 def build_steps(up: Any, cfg: Any, device: torch.device | str = "cpu") -> StreamSteps:
     """The three steps over freshly built modules (seeded random weights) at ``cfg``, streaming batch
     ``cfg.batch_size`` on ``device``."""
-    from cadence_fx.adapters.moshi.build import build_lm, build_lm_gen, build_mimi
-
     gen = build_lm_gen(up, cfg, build_lm(up, cfg, device))
     mimi = build_mimi(up, cfg, device)
     return StreamSteps(encode=MimiEncodeStep(mimi, up, batch_size=cfg.batch_size),

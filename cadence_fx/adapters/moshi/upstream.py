@@ -12,7 +12,7 @@ those are not installed, :func:`load_moshi` satisfies the imports with inert pla
 entry point raises, for the duration of the import only.
 
 The package ``__init__`` files of ``moshi`` and ``moshi.models`` import every submodule (TTS,
-conditioners, the checkpoint loaders); like :mod:`cadence_fx.adapters.upstream` for ``stepaudio2``, a
+conditioners, the checkpoint loaders); like :mod:`cadence_fx.adapters.stepaudio2` for ``stepaudio2``, a
 bare package module is registered instead and only the submodules the step needs are imported.
 """
 
@@ -27,7 +27,7 @@ import threading
 import types
 from pathlib import Path
 
-from cadence_fx.adapters.upstream import placeholder_imports
+from cadence_fx.adapters.stepaudio2 import placeholder_imports
 
 __all__ = ["MOSHI_VERSION", "UpstreamNotFound", "find_moshi_root", "load_moshi"]
 

@@ -16,7 +16,7 @@ does, and what the exported step reproduces:
    ``decode`` optionally as a replayed catalog
    (:func:`cadence_fx.adapters.bounded_vocoder.replay_bounded_vocoder`).
 
-Everything model-side is the upstream code, imported (:mod:`cadence_fx.adapters.upstream`). The
+Everything model-side is the upstream code, imported (:mod:`cadence_fx.adapters.stepaudio2`). The
 modules here, by concern:
 
 - :mod:`~cadence_fx.adapters.token2wav.config`: :class:`Token2WavConfig`, the driver releases,

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
+from cadence_fx.adapters.stepaudio2 import UpstreamNotFound, load_stepaudio2
 from cadence_fx.adapters.token2wav.build import build_flow
 from cadence_fx.adapters.token2wav.config import Token2WavConfig
 from cadence_fx.adapters.token2wav.contracts import token2wav_contract
@@ -50,8 +51,6 @@ def plan_target(root: str | os.PathLike | None = None) -> tuple[ExportedProgram,
     Raises:
         UpstreamNotFound: none of them holds the release.
     """
-    from cadence_fx.adapters.upstream import UpstreamNotFound, load_stepaudio2
-
     bases = [Path(root)] if root else [Path(os.environ["CADENCE_FX_UPSTREAM"])] \
         if os.environ.get("CADENCE_FX_UPSTREAM") else [REPO / ".upstream"]
     for base in bases:

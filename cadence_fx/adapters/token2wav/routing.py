@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cadence_fx.adapters.token2wav.config import Granularity
-from cadence_fx.adapters.upstream import unwrap_compiled
+from cadence_fx.adapters.stepaudio2 import unwrap_compiled
 
 __all__ = ["CFMChunk", "EncoderChunk", "EstimatorChunk", "VocoderCall", "routed"]
 
@@ -105,6 +105,6 @@ def routed(flow: nn.Module, *, granularity: Granularity = "chunk") -> Iterator[N
             owner._modules[name] = mod
 
 
-def _upstream(m: nn.Module) -> nn.Module:
+def upstream_module(m: nn.Module) -> nn.Module:
     """The user's module behind a proxy (or ``m`` itself)."""
     return m.upstream if isinstance(m, _Route) else m

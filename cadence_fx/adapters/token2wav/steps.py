@@ -12,8 +12,8 @@ from torch import nn
 from cadence_fx.adapters.streaming import StreamingStep
 from cadence_fx.adapters.token2wav.config import ESTIMATOR_PATH, Driver, Granularity, Token2WavConfig
 from cadence_fx.adapters.token2wav.driver import hift_stream, speech_window, trim_conformer_cache, trim_estimator_cache
-from cadence_fx.adapters.token2wav.routing import EncoderChunk, EstimatorChunk, VocoderCall, _upstream, routed
-from cadence_fx.adapters.upstream import unwrap_compiled
+from cadence_fx.adapters.token2wav.routing import EncoderChunk, EstimatorChunk, VocoderCall, routed, upstream_module
+from cadence_fx.adapters.stepaudio2 import unwrap_compiled
 from cadence_fx.contract import Contract
 
 __all__ = ["DiTStep", "EncoderStep", "Token2WavStep", "example_prompt"]
@@ -31,7 +31,7 @@ class DiTStep(StreamingStep):
 
     def __init__(self, dit: nn.Module, cfg: Token2WavConfig) -> None:
         super().__init__()
-        self.estimator = EstimatorChunk(_upstream(dit))
+        self.estimator = EstimatorChunk(upstream_module(dit))
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
@@ -78,7 +78,7 @@ class EncoderStep(StreamingStep):
 
     def __init__(self, encoder: nn.Module, cfg: Token2WavConfig, *, driver: Driver = "0.1.2") -> None:
         super().__init__()
-        self.encoder = EncoderChunk(_upstream(encoder))
+        self.encoder = EncoderChunk(upstream_module(encoder))
         self.cfg = cfg
         self.driver = driver
 
@@ -166,7 +166,7 @@ class Token2WavStep(StreamingStep):
             kw[name] = None
         est = trim_estimator_cache(cache["estimator_att_cache"], cfg.prompt_frames, cfg.history_frames)
         conf = trim_conformer_cache(cache["conformer_att_cache"], cfg.prompt_frames, cfg.history_frames,
-                                    driver=self.driver, depth=len(_upstream(self.flow.encoder).encoders))
+                                    driver=self.driver, depth=len(upstream_module(self.flow.encoder).encoders))
         flow_state = (cache["conformer_cnn_cache"], conf, cache["estimator_cnn_cache"], est)
         if hift is None:
             return (chunk_mel, *flow_state)
@@ -270,7 +270,7 @@ class Token2WavStep(StreamingStep):
         prompt's): enough to export a step or print its plan without running the prompt."""
         cfg = self.cfg
         t = cfg.prompt_frames if frames is None else frames
-        encoder, cfm = _upstream(self.flow.encoder), _upstream(self.flow.decoder)
+        encoder, cfm = upstream_module(self.flow.encoder), upstream_module(self.flow.decoder)
         dev = cfm.att_cache_buffer.device
         flow = dict(device=dev, dtype=cfm.att_cache_buffer.dtype)  # half under the float16 switch
         d_k = cfg.output_size // cfg.attention_heads

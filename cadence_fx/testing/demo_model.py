@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadence_fx.contract import Clock, Contract, HeadTail, Region, SlidingWindow
+from cadence_fx.plan import call_classes
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,6 @@ def demo_contract(cfg: DemoConfig, *, wrap: tuple[str, ...] = ("encoder", "solve
 
 def export_catalog(model: StreamingDecoder, contract: Contract, *, device="cpu", dtype=torch.float32):
     """One static-shape ``torch.export`` program per catalog class of ``contract``."""
-    from cadence_fx.plan import call_classes
-
     cfg = model.cfg
     eps = []
     for cls in call_classes(contract):
