@@ -146,7 +146,7 @@ class Region:
             raise ContractError(f"{where}.order: must be {allowed}, got {self.order!r}")
         if not _is_int(self.initial) or self.initial < 0:
             raise ContractError(f"{where}.initial: must be a non-negative int, got {self.initial!r}")
-        if ring and self.initial not in (0, self.retention.capacity):
+        if isinstance(self.retention, Ring) and self.initial not in (0, self.retention.capacity):
             raise ContractError(f"{where}.initial: a Ring region starts empty (0) or full "
                                 f"({self.retention.capacity}), got initial={self.initial}")
         if self.growth is not None and (not _is_int(self.growth) or self.growth <= 0):

@@ -1,72 +1,40 @@
 """``cadence_fx.optimize``: the drop-in replacement for ``exported_program.module()``.
 
-The façade: it plans, binds the contract to each exported program, runs the pass pipeline once per
-program and assembles the runtime (:mod:`cadence_fx.runtime`): the catalog that dispatches calls,
-the state store that owns the regions and workspaces, and the replay runners.
+The façade over the lanes, the session host and the census. :class:`OptimizedProgram` is built from a
+program source (:mod:`cadence_fx.build`): :func:`optimize` hands it a :class:`~cadence_fx.build.PassesSource`
+(the pass pipeline over the exported programs), :func:`cadence_fx.load` an artifact's source. The
+façade keeps the default session's call path (a transaction: :mod:`cadence_fx.runtime.transaction`)
+and hosts the sessions (:mod:`cadence_fx.runtime.sessions`); warm-up (:mod:`cadence_fx.runtime.warmup`)
+and the census of engines, counters and bytes (:mod:`cadence_fx.runtime.census`) live apart.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import threading
-import time
 import weakref
-from dataclasses import replace
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from cadence_fx.runtime.audit import Auditor
-from cadence_fx.binding import RegionSite, bind_regions
-from cadence_fx.shared_weights import share_catalog_tensors
+from cadence_fx.binding import RegionSite
+from cadence_fx.build import LaneBuilder, PassesSource, ProgramSource, Replay, check_lanes, envelope_sites, pick_backend
 from cadence_fx.contract import Contract, ContractError
-from cadence_fx.analysis.graph_io import fetch_attr, numel
-from cadence_fx.analysis.writes import attribute_writes
-from cadence_fx.passes import PassConfig, PassContext, ProgramFacts
-from cadence_fx.runtime.workspaces import CatalogTables
-from cadence_fx.runtime.weights import FoldedWeights
-from cadence_fx.runtime.workspaces import rebind_shared_workspaces, release_stale_workspaces
-from cadence_fx.pipeline import run_pipeline
-from cadence_fx.plan import Plan, plan as make_plan
-from cadence_fx.progress import Progress
-from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, program_key
-from cadence_fx.runtime.clone import NotCopyable, copy_lane
-from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
+from cadence_fx.analysis.graph_io import numel
 from cadence_fx.runtime import owners
-from cadence_fx.runtime.backends import CudaGraphBackend
+from cadence_fx.runtime.owners import DefaultState, NoReturned
+from cadence_fx.runtime.catalog import CatalogMiss
+from cadence_fx.runtime.census import Census
+from cadence_fx.runtime.lanes import Entry, Lane
 from cadence_fx.runtime.rng import RngStates, draw_random
-from cadence_fx.runtime.runners import RandomGuard, ReplayRunner, RunnerSet, install_runners, isolate_randomness
+from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
 from cadence_fx.runtime.sessions import Session
-from cadence_fx.runtime.state import StateStore
 from cadence_fx.runtime.transaction import UndoLog
+from cadence_fx.runtime.warmup import warm_up
+from cadence_fx.runtime.weights import FoldedWeights
 
-log = logging.getLogger("cadence_fx")
-
-Replay = Literal["auto", "off"]
-
-__all__ = ["CatalogMiss", "OptimizedProgram", "optimize"]
-
-
-class _DefaultState:
-    """The program's own calls (the default session): their state stays in lane 0's buffers, until a
-    session that needs lane 0 copies it out (evicts it) into buffers of its own."""
-
-    def __init__(self, lane: Lane) -> None:
-        self.lane = lane
-        self.evicted: dict[str, torch.Tensor] = {}  # region -> the default state's bytes, once evicted
-        self.returned: dict[str, torch.Tensor] = {}  # what the default session's last call returned
-
-    def last_returned(self) -> dict[str, torch.Tensor]:
-        return dict(self.returned)
-
-    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
-        for name, t in self.returned.items():
-            if t is returned and name in self.evicted:
-                return self.evicted[name]
-        return returned
+__all__ = ["CatalogMiss", "OptimizedProgram", "Replay", "check_lanes", "optimize"]
 
 
 class OptimizedProgram:
@@ -81,143 +49,45 @@ class OptimizedProgram:
     Many conversations: :meth:`session` hands out sessions with state of their own over the same
     weights and graphs; ``optimize(..., lanes=n)`` builds n graph sets that run session calls at once.
     """
+    load_report: dict[str, float]  # where cadence_fx.load spent its time (a loaded program only)
 
-    def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
-                 replay: Replay | Any, state: bool = True, lanes: int = 1, transactional: bool = True) -> None:
+    def __init__(self, source: ProgramSource, *, replay: Replay | Any = "auto", lanes: int = 1,
+                 transactional: bool = True) -> None:
+        """Build the lanes from ``source`` (:mod:`cadence_fx.build`): :func:`optimize` and
+        :func:`cadence_fx.load` are the ways in."""
         check_lanes(lanes)
-        # programs saved and loaded separately carry one copy of the weights each: fold them into one
-        shared_bytes = share_catalog_tensors(exported)
-        self._setup(contract, plan=make_plan(exported, contract), names=input_names(exported[0]),
-                    sites=[bind_regions(ep, contract) for ep in exported], verify=verify, replay=replay, state=state,
-                    transactional=transactional)
-        self.shared_bytes = shared_bytes
-        self._exported = list(exported)
-        self._assemble(lanes)
-        self._exported = []  # the rewritten programs hold what they need; the stock workspaces can go
-
-    def _setup(self, contract: Contract, *, plan: Plan, names: list[str], sites: list[dict[str, RegionSite]],
-               verify: bool, replay: Replay | Any, state: bool, transactional: bool = True) -> None:
-        """Everything but the lanes: shared by :func:`optimize` and a program loaded from an artifact
-        (:func:`cadence_fx.load`), which supplies the plan and the sites it stored."""
-        self.contract = contract
-        self.state_rule = state
+        self.contract: Contract = source.contract
+        self.state_rule = source.state_rule
         self.transactional = transactional
-        self.shared_bytes = 0
-        self.plan = plan
-        self.auditor = Auditor() if verify else None
-        self._exported: list[ExportedProgram] = []
-        self._names = list(names)
-        self._region_index = {r.name: self._names.index(r.input) for r in contract.regions}
-        self._backend = _pick_backend(replay)
-        # regions in the envelope layout: every site views its buffer through the same envelope
-        env = {rp.name: rp.stored_shape for rp in plan.regions if rp.layout == "envelope"} if state else {}
-        self._sites = [{n: replace(s, envelope=env[n]) if n in env else s for n, s in by_name.items()}
-                       for by_name in sites]
-        self._config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self.auditor)
-        # hoisted constants and weight digests are shared by every lane; workspaces are per lane
-        self._shared = CatalogTables()
+        self.shared_bytes = source.shared_bytes
+        self.plan = source.plan
+        self.auditor = source.auditor
+        self._names = list(source.names)
+        self._region_index = {r.name: self._names.index(r.input) for r in self.contract.regions}
+        backend = pick_backend(replay)
+        self._sites = envelope_sites(self.plan, source.sites, self.state_rule)
         self._stats: dict[str, Any] = {"calls": 0, "not_admitted": 0, "passes": {}}
         # held weakly: a session dropped without close() is reclaimed with its buffers
         self._sessions: "weakref.WeakValueDictionary[int, Session]" = weakref.WeakValueDictionary()
-        self._lane_owner = _NoReturned()  # lanes after the first: no state is ever returned from them
+        self._lane_owner = NoReturned()  # lanes after the first: no state is ever returned from them
         self._session_lock = threading.Lock()
         self._session_count = 0
-        self._writes_by_lane: dict[int, dict[str, tuple[torch.Tensor, bool]]] = {}
-        self._first_lane: list[tuple[tuple, Entry]] = []  # lane 0's programs in catalog order: what lanes copy
-
-    def _assemble(self, lanes: int) -> None:
-        """Build lane 0 (recording the passes' counts), check the extents, build the other lanes."""
-        with Progress(self._progress_label(), len(self._sites) * lanes) as bar:
-            lane0 = self._build_lane(0, self._backend, record=True, bar=bar)
-            _check_extents(self.contract, self.plan, self._sites)  # after the passes: theirs name the node that differs
-            self.lanes = LanePool([lane0])
-            for _ in range(lanes - 1):
-                backend = self._backend.fork() if hasattr(self._backend, "fork") else self._backend
-                self.lanes.add(self._build_lane(len(self.lanes.lanes), backend, bar=bar))
-        self._default = _DefaultState(lane0)
+        builder = LaneBuilder(source, sites=self._sites, region_index=self._region_index, backend=backend)
+        self.lanes = builder.build(lanes)
+        self._stats["passes"] = builder.passes
+        lane0 = self.lanes.lanes[0]
+        self._default = DefaultState(lane0)
         lane0.resident = self._default
         for lane in self.lanes.lanes:
             owners.register(self._default if lane.index == 0 else self._lane_owner, lane.state.tensors())
         self.state = lane0.state
         self.catalog = lane0.catalog
+        self.census = Census(self.lanes)
 
-    def _progress_label(self) -> str:
-        return "cadence_fx optimize"
-
-    def _copy_first_lane(self, index: int, store: StateStore, tables: CatalogTables
-                         ) -> list[tuple[tuple, GraphModule]] | None:
-        """Lane ``index``'s programs as copies of lane 0's (:func:`copy_lane`); None for lane 0, in
-        verify mode (which audits each lane's own pass run), or where lane 0's programs cannot be
-        copied: the passes then build the lane."""
-        if index == 0 or self.auditor is not None:
-            return None
-        try:
-            return copy_lane(self.lanes.lanes[0], [(key, e.gm) for key, e in self._first_lane], store,
-                             tables.workspaces)
-        except NotCopyable as e:
-            log.info("lane %d: rewritten by the passes (lane 0's programs cannot be copied: %s)", index, e)
-            return None
-
-    def _rewrite(self, index: int, facts: ProgramFacts, tables: CatalogTables) -> tuple[tuple, GraphModule]:
-        """Catalog program ``index`` rewritten for one lane: ``(its catalog key, the annotated module)``.
-
-        ``facts`` carries the lane's region buffers in and the passes' findings out. A program loaded
-        from an artifact overrides this: it rebuilds the stored graph instead of running the passes.
-        """
-        ep = self._exported[index]
-        # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
-        return program_key(ep), run_pipeline(ep.module(), PassContext(self._config, tables, facts))
-
-    def _build_lane(self, index: int, backend: Any, *, record: bool = False, bar: Progress | None = None) -> Lane:
-        """Rewrite every exported program for one lane: its own state buffers, workspaces and runners."""
-        first = self._sites[0]
-        store = StateStore({
-            rp.name: torch.zeros(numel(rp.stored_shape), dtype=first[rp.name].dtype, device=first[rp.name].device)
-            for rp in self.plan.regions} if self.state_rule else {})
-        tables = CatalogTables(constants=self._shared.constants, digests=self._shared.digests,
-                               retraced=self._shared.retraced)
-        runners = RunnerSet()
-        private: dict[int, torch.Tensor] = {}
-        entries = []
-        copies = self._copy_first_lane(index, store, tables)
-        for i, sites in enumerate(self._sites):
-            admitted = self._admit(sites, log_refusal=record)
-            if copies is not None:  # lane 0's findings, this lane's region buffers
-                key, gm = copies[i]
-                facts = replace(self._first_lane[i][1].facts, sites=sites, region_buffers=dict(store.region_buffers))
-            else:
-                facts = ProgramFacts(sites=sites, region_buffers=dict(store.region_buffers))
-                key, gm = self._rewrite(i, facts, tables)
-            # lane 0 runs on the stock module's scratch buffers; the others get their own copies
-            privatize_written_buffers(gm, private, clone=index > 0)
-            if backend is not None and admitted:
-                install_runners(gm, backend, runners)
-            isolate_randomness(gm)
-            entries.append((key, Entry(gm, sites, facts, admitted)))
-            if index == 0:
-                self._first_lane.append(entries[-1])
-            if record:
-                for k, v in facts.changed.items():
-                    self._stats["passes"][k] = self._stats["passes"].get(k, 0) + v
-            if bar is not None:
-                bar.advance(note=f"lane {index}, program {i + 1}/{len(self._sites)}")
-        rekey = {}
-        for name, site in first.items():
-            if site.live and self.state_rule:
-                rekey[self._region_index[name]] = {d: (n, site.shape[d]) for d, n in site.live}
-        try:
-            catalog: Catalog[Entry] = Catalog(self._names, entries, rekey=rekey)
-        except ValueError as e:
-            raise ContractError(str(e)) from None
-        for _key, entry in catalog.items():
-            rebind_shared_workspaces(entry.gm, tables.workspaces)
-        store.set_workspaces([e.tensor for e in tables.workspaces.values() if e.tensor is not None])
-        release_stale_workspaces(tables.workspaces)
-        stream = None
-        if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
-            stream = torch.cuda.Stream(backend.device, priority=LANE_STREAM_PRIORITY)
-        lane = Lane(index, catalog, store, runners, stream=stream, scratch=list(private.values()))
-        return lane
+    @property
+    def input_names(self) -> list[str]:
+        """The program's inputs, in calling order (the exported programs' user inputs)."""
+        return list(self._names)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -317,21 +187,6 @@ class OptimizedProgram:
     def region_sites(self) -> dict[str, RegionSite]:
         return dict(self._sites[0])
 
-    def _admit(self, sites: dict[str, RegionSite], *, log_refusal: bool = True) -> bool:
-        """The contract's admission predicate on this class's clock values (strides and region extents).
-
-        A class the predicate refuses is never replayed: its calls run eagerly and are counted in
-        ``stats["not_admitted"]`` (a flush with a short last chunk is the usual case).
-        """
-        if self.contract.admit is None:
-            return True
-        values = {c.name: c.stride for c in self.contract.clocks}
-        values.update({name: site.extent for name, site in sites.items()})
-        admitted = bool(self.contract.admit(values))
-        if not admitted and log_refusal:
-            log.warning("class %s refused by the contract's admission predicate: replay off, eager", values)
-        return admitted
-
     # ------------------------------------------------------------------ sessions
     def session(self, name: str | None = None, *, seed: int | None = None) -> Session:
         """A new conversation over this program's weights and graphs, with its own state buffers.
@@ -374,89 +229,6 @@ class OptimizedProgram:
         lane.state.forget_returned()
         lane.resident = None
 
-    # ------------------------------------------------------------------ replay
-    def runners(self) -> dict[str, Any]:
-        """All replay engines, by lane (after the first), partition and wrapped invocation."""
-        out = {}
-        for lane in self.lanes.lanes:
-            prefix = f"lane{lane.index}/" if lane.index else ""
-            out.update({prefix + k: e for k, e in lane.runners.engines.items()})
-        return out
-
-    def counters(self) -> dict[str, Any]:
-        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners
-        and lanes). Warm-up is not traffic: only its captures are counted."""
-        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {}}
-        for lane in self.lanes.lanes:
-            c = lane.runners.counters()
-            for k in ("replays", "eager", "invalidations", "captures"):
-                total[k] += c[k]
-            for reason, n in c["rejections"].items():
-                total["rejections"][reason] = total["rejections"].get(reason, 0) + n
-        return total
-
-    def warmup(self, *example_args: Any) -> dict[str, Any]:
-        """Capture every catalog class on every lane before traffic; all state is left exactly as found.
-
-        One call per exported program runs with region inputs of that program's extents; the other
-        inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
-        do not matter for capture, shapes do). Returns the warm-up seconds and per-class reports.
-        """
-        t0 = time.perf_counter()
-        stats = {k: v for k, v in self._stats.items() if isinstance(v, int)}
-        bar = Progress("cadence_fx capture", sum(len(lane.catalog) for lane in self.lanes.lanes))
-        for lane in self.lanes.lanes:
-            with self.lanes.take(lane.index), lane.state.preserved(self._written_buffers(lane)) as restored, \
-                    lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
-                    lane.on_stream(), torch.no_grad():
-                # the largest classes first: the lane's engines stage into one arena, which then
-                # never has to grow for a later class (a grown arena keeps the old one alive)
-                for key, entry in sorted(lane.catalog.items(), key=lambda kv: -_input_bytes(kv[0])):
-                    flat = self._warmup_args(lane, key, entry, example_args)
-                    if self.state_rule:
-                        for name, site in entry.sites.items():
-                            i = self._region_index[name]
-                            flat[i] = lane.state.adopt(name, flat[i], site)
-                    entry.gm(*flat)
-                    bar.advance(note=f"lane {lane.index}")
-            if lane.stream is not None:
-                torch.cuda.current_stream(lane.stream.device).wait_stream(lane.stream)
-        bar.close()
-        self._stats.update(stats)
-        return {"seconds": time.perf_counter() - t0,
-                "classes": {name: dict(eng.classes) for name, eng in self.runners().items()}}
-
-    def _written_buffers(self, lane: Lane) -> list[torch.Tensor]:
-        """Module tensors the lane's programs write in place besides its regions and workspaces (a
-        step's own call counter, a scratch buffer): warm-up runs the programs, so it puts these back."""
-        return [t for t, _carried in self._module_writes(lane).values()]
-
-    def undeclared_state(self, lane: Lane | None = None) -> dict[str, torch.Tensor]:
-        """Module tensors the programs write in place and read back in a later call that the contract
-        does not own (neither a region nor a workspace), by attribute name: state every caller of the
-        program shares (lane 0's programs, or ``lane``'s). Scratch the step writes before it reads
-        (the solver's per-step cache buffer) is not state and is not listed."""
-        return {name: t for name, (t, carried) in self._module_writes(lane).items() if carried}
-
-    def _module_writes(self, lane: Lane | None = None) -> dict[str, tuple[torch.Tensor, bool]]:
-        """``{attribute: (tensor, carried)}`` of :func:`attribute_writes` over the lane's programs, less
-        what the lane owns; worked out once per lane (the programs do not change after they are built)."""
-        lane = lane if lane is not None else self.lanes.lanes[0]
-        if lane.index in self._writes_by_lane:
-            return self._writes_by_lane[lane.index]
-        owned = lane.state.owned_storages()
-        out: dict[str, tuple[torch.Tensor, bool]] = {}
-        seen: dict[int, str] = {}
-        for entry in lane.catalog.values():
-            for target, carried in sorted(attribute_writes(entry.gm).items()):
-                value = fetch_attr(entry.gm, target)
-                if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() in owned:
-                    continue
-                name = seen.setdefault(id(value), target)
-                out[name] = (value, carried or out.get(name, (value, False))[1])
-        self._writes_by_lane[lane.index] = out
-        return out
-
     def _refuse_undeclared_state(self, what: str) -> None:
         """Sessions and lanes each need their own copy of every piece of state: a module tensor the step
         writes in place that the contract does not own would be one copy shared by all of them."""
@@ -468,28 +240,37 @@ class OptimizedProgram:
                 f"(the calls of one would change the bytes of another). Declare each as a Region (its input "
                 f"and output) or keep to one conversation and one lane.")
 
-    def _warmup_args(self, lane: Lane, key: tuple, entry: Entry, example_args: Sequence[Any]) -> list[Any]:
-        regions = {self._region_index[name]: name for name in entry.sites} if self.state_rule else {}
-        device = next((t.device for t in lane.state.region_buffers.values()), None)
-        # an input with no example is made where the exported program expects it (without the state
-        # rule there are no region buffers to go by, and a state made on the host would be captured)
-        recorded = [n.meta.get("val") for n in entry.gm.graph.nodes if n.op == "placeholder"]
-        flat = []
-        for i, want in enumerate(key):
-            if i in regions:  # a view of the region buffer: allocate nothing
-                site = entry.sites[regions[i]]
-                flat.append(lane.state.trusted_view(regions[i], site))
-                continue
-            ex = example_args[i] if i < len(example_args) else None
-            if want[0] == "T" and (not isinstance(ex, torch.Tensor) or (tuple(ex.shape), ex.dtype) != want[1:]):
-                val = recorded[i] if i < len(recorded) else None
-                dev = ex.device if isinstance(ex, torch.Tensor) else \
-                    val.device if isinstance(val, torch.Tensor) else device or "cpu"
-                ex = torch.zeros(want[1], dtype=want[2], device=dev)
-            elif want[0] == "S" and len(want) == 3:
-                ex = want[2]
-            flat.append(ex)
-        return flat
+    # ------------------------------------------------------------------ warm-up and census
+    def warmup(self, *example_args: Any) -> dict[str, Any]:
+        """Capture every catalog class on every lane before traffic; all state is left exactly as found.
+
+        One call per exported program runs with region inputs of that program's extents; the other
+        inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
+        do not matter for capture, shapes do). Returns the warm-up seconds and per-class reports.
+        """
+        return warm_up(self.lanes, self.census, example_args, region_index=self._region_index,
+                       state_rule=self.state_rule, stats=self._stats)
+
+    def runners(self) -> dict[str, Any]:
+        """All replay engines, by lane (after the first), partition and wrapped invocation."""
+        return self.census.runners()
+
+    def counters(self) -> dict[str, Any]:
+        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners
+        and lanes). Warm-up is not traffic: only its captures are counted."""
+        return self.census.counters()
+
+    def memory_census(self) -> dict[str, int]:
+        """Bytes the program holds on its device, by kind: parameters, constants (buffers and hoisted
+        constants), regions, workspaces, graph pools (reserved by captures), staging buffers (all
+        lanes), and the open sessions' own region buffers."""
+        return self.census.memory(self.sessions())
+
+    def undeclared_state(self, lane: Lane | None = None) -> dict[str, torch.Tensor]:
+        """Module tensors the programs write in place and read back in a later call that the contract
+        does not own (neither a region nor a workspace), by attribute name (:meth:`Census.undeclared_state`)."""
+        return self.census.undeclared_state(lane)
+
     # ------------------------------------------------------------------ introspection
     @property
     def stats(self) -> dict[str, Any]:
@@ -537,38 +318,6 @@ class OptimizedProgram:
         for fw in self.folded_weights():
             fw.verify()
 
-    def memory_census(self) -> dict[str, int]:
-        """Bytes the program holds on its device, by kind: parameters, constants (buffers and hoisted
-        constants), regions, workspaces, graph pools (reserved by captures), staging buffers (all
-        lanes), and the open sessions' own region buffers."""
-        owned = frozenset().union(*(lane.state.owned_storages() for lane in self.lanes.lanes))
-        seen: dict[int, tuple[str, int]] = {}
-        for gm in [e.gm for lane in self.lanes.lanes for e in lane.catalog.values()]:
-            for kind, tensors in (("parameters", gm.parameters()), ("constants", gm.buffers())):
-                for t in tensors:
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in owned:
-                        seen.setdefault(st.data_ptr(), (kind, st.nbytes()))
-        out = {"parameters": 0, "constants": 0}
-        for kind, nbytes in seen.values():
-            out[kind] += nbytes
-        for lane in self.lanes.lanes:
-            for part in (lane.state.nbytes(), lane.runners.memory()):
-                for k, v in part.items():
-                    out[k] = out.get(k, 0) + v
-        out["sessions"] = sum(s.nbytes() for s in self.sessions())
-        return out
-
-
-class _NoReturned:
-    """The owner of a lane's buffers other than lane 0's: no session's state is ever left there."""
-
-    def last_returned(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
-        return returned
-
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
              verify: bool = False, replay: Replay | Any = "auto", state: bool = True,
@@ -600,49 +349,6 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     eps = [exported] if isinstance(exported, ExportedProgram) else list(exported)
     if not eps:
         raise ContractError("optimize: no exported program given")
-    return OptimizedProgram(eps, contract, verify=verify, replay=replay, state=state, lanes=lanes,
+    check_lanes(lanes)  # before the source folds the programs' shared weights
+    return OptimizedProgram(PassesSource(eps, contract, verify=verify, state=state), replay=replay, lanes=lanes,
                             transactional=transactional)
-
-
-def _input_bytes(key: tuple) -> int:
-    """Bytes of the tensor inputs a catalog key describes (symbolic sizes count as 0)."""
-    total = 0
-    for k in key:
-        if k[0] == "T" and all(isinstance(n, int) for n in k[1]):
-            total += math.prod(k[1]) * k[2].itemsize
-    return total
-
-
-def check_lanes(lanes: object) -> None:
-    if not isinstance(lanes, int) or isinstance(lanes, bool) or lanes < 1:
-        raise ValueError(f"lanes must be a positive int, got {lanes!r}")
-
-
-def _pick_backend(replay: Replay | Any) -> Any:
-    if replay == "off":
-        return None
-    if replay == "auto":
-        backend = CudaGraphBackend()
-        return backend if backend.available() else None
-    return replay
-
-
-def _check_extents(contract: Contract, plan: Plan, all_sites: list[dict[str, RegionSite]]) -> None:
-    """Every exported program's region extents must be a class the contract reaches (``initial``,
-    growth and retention agree with what was exported); classes no program covers are logged."""
-    if not contract.regions:
-        return
-    for sites in all_sites:
-        for name, site in sites.items():
-            rp = plan.region(name)
-            if site.extent not in rp.extents:
-                r = contract.region(name)
-                raise ContractError(
-                    f"Region {name!r}: an exported program has extent {site.extent} on axis {site.axis} of input "
-                    f"{r.input!r}, which the contract never reaches: its extents are {list(rp.extents)} (initial "
-                    f"{r.initial}, +{contract.growth(r)} per call, {r.retention!r}); check Region.initial, the "
-                    f"clock stride and the retention sizes")
-    seen = [{name: site.extent for name, site in sites.items()} for sites in all_sites]
-    missing = [dict(c) for c in plan.classes if dict(c) not in seen]
-    if missing:
-        log.warning("no exported program covers catalog class(es) %s: calls in them raise CatalogMiss", missing)

@@ -129,12 +129,12 @@ def test_each_graph_is_decoded_once_per_lane(demo, monkeypatch):
     """load decodes every stored graph ahead (beside the device's start-up) and the first lane uses
     those modules as they are: no graph is decoded twice for one lane, and a further lane copies the
     first lane's modules instead of decoding the graphs again."""
-    from cadence_fx import artifact
+    from cadence_fx.artifact import graph_codec
 
     _model, _contract, _eps, _prog, path, _info = demo
     calls = []
-    real = artifact._graph_dec
-    monkeypatch.setattr(artifact, "_graph_dec", lambda spec, dm: calls.append(1) or real(spec, dm))
+    real = graph_codec.decode_graph
+    monkeypatch.setattr(graph_codec, "decode_graph", lambda spec, dm: calls.append(1) or real(spec, dm))
     one = cf.load(path, replay="off")
     per_lane = len(calls)
     assert per_lane >= len(one.graph_modules()) > 0

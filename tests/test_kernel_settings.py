@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import cadence_fx as cf
-from cadence_fx import artifact, kernel_settings
+from cadence_fx import kernel_settings
+from cadence_fx.artifact import environment, manifest as artifact_manifest
 from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog
 from cadence_fx.determinism import envelope_settings
 from cadence_fx.kernel_settings import TABLE, UNREADABLE, KernelSetting
@@ -235,19 +236,19 @@ def test_the_artifact_check_and_the_envelope_read_the_table(demo, tmp_path):
     prog = cf.optimize(eps, contract, replay="off")
     path = tmp_path / "demo.cfx"
     cf.save(prog, path)
-    manifest = artifact._manifest(artifact._read(path))
+    manifest = artifact_manifest.parse_manifest(artifact_manifest.read_payload(path))
     assert manifest["settings"] == kernel_settings.snapshot()
     # every entry is checked on load: a manifest differing in any one is refused, naming it
     for s in TABLE:
         was = manifest["settings"][s.name]
         other = {**manifest, "settings": {**manifest["settings"], s.name: _other(s, was)}}
         with pytest.raises(cf.ArtifactMismatch, match=rf"{s.name}: saved .*Set: .*"):
-            artifact._check_environment(other, None)
+            environment.check_environment(other, None)
     # an older writer's manifest (fewer names) and a newer one's (a name this torch lacks) still load
     old = {**manifest, "settings": {k: manifest["settings"][k] for k in LEGACY_ARTIFACT_NAMES}}
-    assert artifact._check_environment(old, None) == torch.device("cpu")
+    assert environment.check_environment(old, None) == torch.device("cpu")
     newer = {**manifest, "settings": {**manifest["settings"], "a.setting.of.another.torch": True}}
-    assert artifact._check_environment(newer, None) == torch.device("cpu")
+    assert environment.check_environment(newer, None) == torch.device("cpu")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from torch.fx import GraphModule
 
 import cadence_fx as cf
-from cadence_fx import pipeline, program as program_mod
+from cadence_fx import build, pipeline
 from cadence_fx.testing.demo_model import DemoConfig
 from cadence_fx.testing.fake_backend import FakeBackend
 from cadence_fx.runtime.clone import NotCopyable, copy_program
@@ -28,7 +28,7 @@ def setup():
 def _count_pipeline_runs(monkeypatch) -> list[int]:
     runs: list[int] = []
     real = pipeline.run_pipeline
-    monkeypatch.setattr(program_mod, "run_pipeline", lambda *a, **k: runs.append(1) or real(*a, **k))
+    monkeypatch.setattr(build, "run_pipeline", lambda *a, **k: runs.append(1) or real(*a, **k))
     return runs
 
 
@@ -83,7 +83,7 @@ def test_further_lanes_copy_the_first_lanes_programs_and_own_what_they_write(set
                 for w, w0 in zip(lane.state.workspaces(), first.state.workspaces()))
     if state:  # sessions (which spread over the lanes) need the state rule
         # the same bytes as lanes the passes built, call for call
-        monkeypatch.setattr(program_mod.OptimizedProgram, "_copy_first_lane", lambda *a: None)
+        monkeypatch.setattr(build.PassesSource, "copyable", False)
         rewritten = cf.optimize(eps, contract, replay=FakeBackend(), lanes=3, state=state)
         assert len(runs) == 4 * len(eps)
         assert _stream(prog, model) == _stream(rewritten, model)
@@ -119,7 +119,7 @@ def test_a_lane_that_cannot_be_copied_is_built_by_the_passes(setup, monkeypatch,
     def refuse(*_a, **_k):
         raise NotCopyable("module 'x' holds attribute 'y' of type str")
 
-    monkeypatch.setattr(program_mod, "copy_lane", refuse)
+    monkeypatch.setattr(build, "copy_lane", refuse)
     with caplog.at_level(logging.INFO, logger="cadence_fx"):
         prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
     assert len(runs) == 2 * len(eps)

@@ -9,19 +9,26 @@ there as well, so the table is one per process, not one per program.
 Owners are held weakly: a session dropped without ``close()`` is reclaimed, and its entries go with
 it (a view the caller still holds keeps the storage, hence its bytes, alive; it is then a plain
 tensor to every program).
+
+The owners of a program's own lane buffers are here too: :class:`DefaultState` (the default
+session's state, resident in lane 0's buffers until a session evicts it) and :class:`NoReturned`
+(the other lanes, where no state stays between calls).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import torch
 
 from cadence_fx.runtime.errors import StaleState, stale_message
 
-__all__ = ["StateOwner", "owner_of", "register", "resolve_source", "unregister"]
+if TYPE_CHECKING:
+    from cadence_fx.runtime.lanes import Lane
+
+__all__ = ["DefaultState", "NoReturned", "StateOwner", "owner_of", "register", "resolve_source", "unregister"]
 
 
 class StateOwner(Protocol):
@@ -80,3 +87,32 @@ def resolve_source(name: str, arg: Any, input_name: str) -> torch.Tensor:
     if any(arg is t for t in owner.last_returned().values()):
         return owner.current_bytes(arg)
     raise StaleState(stale_message(name, input_name))
+
+
+class DefaultState:
+    """The program's own calls (the default session): their state stays in lane 0's buffers, until a
+    session that needs lane 0 copies it out (evicts it) into buffers of its own."""
+
+    def __init__(self, lane: "Lane") -> None:
+        self.lane = lane
+        self.evicted: dict[str, torch.Tensor] = {}  # region -> the default state's bytes, once evicted
+        self.returned: dict[str, torch.Tensor] = {}  # what the default session's last call returned
+
+    def last_returned(self) -> dict[str, torch.Tensor]:
+        return dict(self.returned)
+
+    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
+        for name, t in self.returned.items():
+            if t is returned and name in self.evicted:
+                return self.evicted[name]
+        return returned
+
+
+class NoReturned:
+    """The owner of a lane's buffers other than lane 0's: no session's state is ever left there."""
+
+    def last_returned(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def current_bytes(self, returned: torch.Tensor) -> torch.Tensor:
+        return returned
