@@ -12,6 +12,15 @@ import importlib
 import sys
 from typing import Any, Sequence
 
+_HELP = """cadence-fx plan TARGET: print a streaming step's stored and attended extents, bytes,
+over-reservation and its catalog of exact signature classes.
+
+TARGET is one of
+  demo               the demo decoder
+  token2wav          the released Token2Wav flow step (needs minicpmo 0.1.2: pip install --no-deps
+                     minicpmo==0.1.2, or CADENCE_FX_UPSTREAM=<folder holding minicpmo-0.1.2/>)
+  package.module:fn  a function returning (exported program or list of them, contract)"""
+
 
 def _load(target: str) -> tuple[Any, Any]:
     if target == "demo":
@@ -44,7 +53,7 @@ class _Usage(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="cadence-fx", description=__doc__,
+    ap = argparse.ArgumentParser(prog="cadence-fx", description=_HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="print extents, bytes, over-reservation and the signature catalog")

@@ -56,7 +56,7 @@ def attribute_writes(gm: GraphModule) -> dict[str, bool]:
                     n.op == "call_function" and (is_view(n) or returns_views(n))):
                 continue  # a view reads nothing: its users do, through view_root
             dests = written_args(n) if n.op == "call_function" else []
-            for a in _flat_args(n):
+            for a in n.all_input_nodes:  # every node argument, nested in lists or not
                 t = target_of(a, env, prefix)
                 if t is None:
                     continue
@@ -74,13 +74,6 @@ def attribute_writes(gm: GraphModule) -> dict[str, bool]:
 
     walk(gm.graph, {}, gm, "")
     return {t: t in carried for t in written}
-
-
-def _flat_args(n: Node) -> list[object]:
-    flat: list[object] = []
-    for a in [*n.args, *n.kwargs.values()]:
-        flat.extend(a if isinstance(a, (list, tuple)) else [a])
-    return flat
 
 
 def _sub_graph_module(module: object) -> GraphModule | None:

@@ -53,13 +53,14 @@ class RngStates:
 
     @classmethod
     def seeded(cls, seed: int) -> "RngStates":
-        """The states ``torch.manual_seed(seed)`` gives, without touching the process's generators."""
-        with _lock:
-            saved = cls.current()
-            torch.manual_seed(seed)
-            out = cls.current()
-            saved.install()
-        return out
+        """The states ``torch.manual_seed(seed)`` gives, without touching the process's generators
+        (fresh generators of each device, seeded: the same seed and offset, in the same format)."""
+        cpu = torch.Generator().manual_seed(seed).get_state()
+        if not torch.cuda.is_available():
+            return cls(cpu, None)
+        cuda = [torch.Generator(device=f"cuda:{i}").manual_seed(seed).get_state()
+                for i in range(torch.cuda.device_count())]
+        return cls(cpu, cuda)
 
     def install(self) -> None:
         torch.set_rng_state(self.cpu)
