@@ -1,7 +1,7 @@
 """Saving an optimized catalog and loading it in a fresh process: ``cf.save(prog, path)`` / ``cf.load(path)``.
 
 A restarted server would otherwise export the catalog and run ``optimize`` again before its first
-chunk (Token2Wav at released sizes: 74 s + 21 s on an H200). Profiling ``optimize`` (Token2Wav at
+chunk (Token2Wav at released sizes on an H200: export 80 s + optimize 26 s, session 9 in docs/benchmarks.md). Profiling ``optimize`` (Token2Wav at
 reduced sizes, CPU) puts its time in graph work, not in kernels: ``ep.module()`` (unlifting, about a
 third), the passes' analyses, ``split_module``, and generating and compiling each module's Python code
 again after each pass; evaluating the hoisted cones is the only compute and digesting the weights
