@@ -548,7 +548,7 @@ def _state_info(prog, contract, state_rule: bool) -> dict:
         counts = {k: [v.get(k, 0) for v in cls["regions"].values()] for k in ("stock", "optimized")}
         # a region whose count is unknown (None) makes the total unknown, not smaller
         out["state_bytes_per_call"] = {k: None if None in c else sum(c) for k, c in counts.items()}
-        out["left_stock"] = cls["left_stock"]
+        out["left_stock"] = [str(f) for f in cls["left_stock"]]  # the sentences (records: cadence_fx.annotations)
     return out
 
 

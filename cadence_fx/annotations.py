@@ -1,14 +1,25 @@
-"""What the passes write into the graphs they hand on, and what the runtime reads back.
+"""What the passes write into the graphs they hand on, what they report, and what the runtime reads back.
 
 The passes end at an annotated ``GraphModule``: contract-owned tensors are attributes under the
 prefixes below, and every wrapped partition's ``call_module`` node carries a :class:`ReplaySpec` in
-its ``meta``. Nothing else passes between rewriting and running; this module is the one place
-those names are defined.
+its ``meta``. Next to the graphs they report, per program, the state patterns they recognised but
+could not prove exact (:class:`Finding`, one of :data:`FINDING_KINDS`). Nothing else passes between
+rewriting and running; this module is the one place those names are defined: every attribute prefix,
+node meta key and finding kind.
+
+State or constant is told by attribute name: a tensor the passes register is attached under the
+prefix of what it is, by ``analysis.graph_io.register_tensor``, and :func:`is_state_attr` reads the
+name back. The name is the one thing that goes wherever the tensor's attribute goes: into the
+``get_attr`` nodes ``split_module`` makes anew, into a further lane's copy of the program
+(``runtime.clone``) and into the artifact, which stores attributes by name. A node meta key stays
+on the one node that carries it, and a registry held by the passes ends with the ``optimize`` call
+(a loaded program, whose lanes still tell the passes' tensors from the module's, never had one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from torch.fx import Node
 
@@ -20,12 +31,84 @@ INLINED_PREFIX = "_cf_inlined_"      # a tensor an inlined subgraph referenced
 AUDITOR_ATTR = "_cf_auditor"         # verify mode's auditor object
 STATE_PREFIXES = (REGION_PREFIX, WORKSPACE_PREFIX)
 OWNED_PREFIX = "_cf_"                # anything the passes registered
+# on a partition: an outer tensor no node writes, bound as the partition's own attribute (the same
+# tensor under ``BOUND_PREFIX`` + its outer path with dots as ``__``: ``bound_name``). Not under
+# OWNED_PREFIX: it is the stock module's tensor (or a hoisted constant), never written, under a
+# partition-local name.
+BOUND_PREFIX = "bound__"
 
-# node.meta keys
+# node.meta keys; those under META_PREFIX are the passes' own, and the artifact stores every one a
+# graph it saves still carries (``PARTITION`` never reaches one)
+META_PREFIX = "cadence_"
 WRAPPED = "cadence_wrapped"  # on a partition's call_module node: the wrapped invocation it runs
 SEGMENT = "cadence_segment"  # ... and which segment of it (Contract.split_at), 0 when unsplit
 REPLAY = "cadence_replay"    # ... and its ReplaySpec, once mark_replay has analysed it
 RANDOM = "cadence_random"    # on a partition's call node or a root-level op: it draws from a generator
+# the partition pass's own: on each node it schedules, the index of the partition it goes to
+# (split_module copies a node's meta to the node it makes of it); gone from every graph it hands on
+PARTITION = "cadence_partition"
+
+# finding kinds (Finding.pattern): a state pattern a pass recognised, left as the stock program has it
+RING_UPDATE_KEPT = "ring_update_kept"              # ring_in_place: the functional whole-region update stays
+HISTORY_WORKSPACE_KEPT = "history_workspace_kept"  # envelope_state: the history stays in a workspace of its own
+CONTIGUOUS_INPUT_COPY = "contiguous_input_copy"    # envelope_state: a stride-bound reader gets a contiguous copy
+WORKSPACE_STOCK_SIZE = "workspace_stock_size"      # shrink_workspace: the workspace stays at its stock size
+# how each reads in a log or a benchmark record: ``subject`` (the region, or the workspace attribute) and ``reason``
+_FINDING_TEXT = {
+    RING_UPDATE_KEPT: "region {subject!r}: {reason}; the functional update is left stock (whole region rebuilt "
+                      "and copied)",
+    HISTORY_WORKSPACE_KEPT: "region {subject!r}: history workspace kept ({reason})",
+    CONTIGUOUS_INPUT_COPY: "region {subject!r}: {reason}: it reads a contiguous copy of the envelope-layout state",
+    WORKSPACE_STOCK_SIZE: "workspace {subject!r} kept at its stock size: {reason}",
+}
+FINDING_KINDS = frozenset(_FINDING_TEXT)
+_WORKSPACE_KINDS = frozenset({WORKSPACE_STOCK_SIZE})  # the rest are about a region
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A state pattern a pass recognised but could not prove exact, left as the stock program has it
+    (``ProgramFacts.left_stock``). ``str()`` is the sentence a log or a benchmark record shows.
+
+    Attributes:
+        pattern: what was recognised and kept, one of :data:`FINDING_KINDS`.
+        subject: the region's name; for ``WORKSPACE_STOCK_SIZE``, the workspace's attribute.
+        reason: why it could not be proved, naming the nodes (prose, for people).
+        cls: the program's catalog class: ``(region, extent)`` per region, in the contract's order.
+    """
+
+    pattern: str
+    subject: str
+    reason: str
+    cls: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pattern not in FINDING_KINDS:
+            raise ValueError(f"unknown finding kind {self.pattern!r} (one of {', '.join(sorted(FINDING_KINDS))})")
+
+    @property
+    def region(self) -> str | None:
+        """The region the finding is about; None for a workspace's."""
+        return None if self.pattern in _WORKSPACE_KINDS else self.subject
+
+    def __str__(self) -> str:
+        return _FINDING_TEXT[self.pattern].format(subject=self.subject, reason=self.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (str, and a dict of str to int): what a codec stores."""
+        return {"pattern": self.pattern, "subject": self.subject, "reason": self.reason, "cls": dict(self.cls)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Finding":
+        """The finding :meth:`to_dict` gave; ``ValueError`` for anything else."""
+        try:
+            pattern, subject, reason, klass = d["pattern"], d["subject"], d["reason"], d["cls"]
+        except (KeyError, TypeError):
+            raise ValueError(f"not a stored finding: {d!r}") from None
+        if not all(isinstance(x, str) for x in (pattern, subject, reason)) or not isinstance(klass, Mapping) \
+                or not all(isinstance(k, str) and type(v) is int for k, v in klass.items()):
+            raise ValueError(f"not a stored finding: {d!r}")
+        return cls(pattern, subject, reason, tuple(klass.items()))
 
 
 @dataclass(frozen=True)
@@ -59,4 +142,15 @@ def is_state_attr(target: object) -> bool:
 
 
 def is_region_attr(target: object) -> bool:
+    """True for the attribute of a region buffer."""
     return isinstance(target, str) and target.startswith(REGION_PREFIX)
+
+
+def is_owned_attr(target: object) -> bool:
+    """True for any attribute the passes registered (a region buffer, workspace copy, constant, ...)."""
+    return isinstance(target, str) and target.startswith(OWNED_PREFIX)
+
+
+def bound_name(target: str) -> str:
+    """The name a partition binds the outer attribute ``target`` under (``bind_constants``)."""
+    return BOUND_PREFIX + target.replace(".", "__")

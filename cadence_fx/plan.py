@@ -251,7 +251,8 @@ def state_traffic(program) -> list[dict]:
     by :func:`cadence_fx.analysis.traffic.state_bytes_written` (data movement into the outgoing state: the
     bytes a cat, a functional index_copy or a copy into the region buffer writes; not the arithmetic that
     computes the new positions); ``None`` where a value on the way could not be sized (logged when
-    optimized). ``left_stock`` names state patterns a pass could not prove exact.
+    optimized). ``left_stock`` lists the state patterns a pass could not prove exact
+    (:class:`~cadence_fx.annotations.Finding` records; ``str()`` of one is its sentence).
     """
     out = []
     for _key, entry in program.catalog.items():

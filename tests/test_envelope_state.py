@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import cadence_fx as cf
+from cadence_fx.annotations import CONTIGUOUS_INPUT_COPY, HISTORY_WORKSPACE_KEPT
 from cadence_fx.plan import state_traffic
 
 VARIANTS = ("ok", "stride_reader", "read_before_write", "late_input_read")
@@ -149,7 +150,7 @@ def test_history_workspace_becomes_the_region_buffer(case):
     prog = _stream(contract, eps, shape, steps, calls=len(eps) + 3)
     (rp,) = prog.plan.regions
     merged = prog.stats["passes"].get("envelope_state", 0)
-    notes = [s for e in state_traffic(prog) for s in e["left_stock"] if s.startswith("region")]
+    notes = [f for e in state_traffic(prog) for f in e["left_stock"] if f.region is not None]
     if all(s == 1 for s in shape[:axis]):  # an outermost clock axis: appended in place, no envelope
         assert rp.layout == "prefix" and merged == 0
         return
@@ -158,9 +159,11 @@ def test_history_workspace_becomes_the_region_buffer(case):
         assert merged == len(eps), notes
         assert prog.workspaces() == [], "the history workspace is still a copy of its own"
     else:  # refused wherever the history is not empty (with none, nothing can be read too late)
-        assert merged < len(eps) and any("history workspace kept" in s for s in notes), notes
+        assert merged < len(eps) and any(f.pattern == HISTORY_WORKSPACE_KEPT and f.region == "hist"
+                                         for f in notes), notes
     # a reduction over the input itself (before or after the writes) reads a contiguous copy
-    assert any("contiguous copy" in s for s in notes) == (variant in ("stride_reader", "late_input_read")), notes
+    assert any(f.pattern == CONTIGUOUS_INPUT_COPY and f.region == "hist"
+               for f in notes) == (variant in ("stride_reader", "late_input_read")), notes
 
 
 def test_merged_history_costs_what_the_stock_writes():

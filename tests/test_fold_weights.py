@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.nn.utils.parametrizations import weight_norm
 
 import cadence_fx as cf
+from cadence_fx.annotations import CONST_PREFIX
 
 STEPS, DIM = 3, 8
 
@@ -128,7 +129,7 @@ def test_a_catalog_keeps_one_copy_of_each_folded_value():
     ptrs = []
     for gm in prog.graph_modules():
         ptrs.append({getattr(gm, n.target).data_ptr() for n in gm.graph.nodes
-                     if n.op == "get_attr" and n.target.startswith("_cf_const_")})
+                     if n.op == "get_attr" and n.target.startswith(CONST_PREFIX)})
     assert ptrs[0] and ptrs[0] == ptrs[1]
     for ep, frames in zip(eps, (5, 7)):
         x = torch.randn(1, DIM, frames)

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import cadence_fx as cf
+from cadence_fx.annotations import RING_UPDATE_KEPT, Finding
 from cadence_fx.plan import state_traffic
 
 FORMS = ("index_copy", "index_copy_", "scatter", "scatter_", "index_put", "clone_index_put_", "slice_")
@@ -271,7 +272,13 @@ def test_unprovable_ring_update_is_left_stock_and_reported(alias_src):
     if alias_src:
         assert not entry["left_stock"]  # flip() copies: its result does not view the ring, the write is exact
     else:
-        assert entry["left_stock"] and "reads the old region after" in entry["left_stock"][0]
+        (found,) = entry["left_stock"]
+        assert (found.pattern, found.region) == (RING_UPDATE_KEPT, "ring"), found
+        assert "reads the old region after" in found.reason, found
+        assert found.cls == tuple(entry["class"].items())
+        assert str(found) == f"region 'ring': {found.reason}; the functional update is left stock (whole region " \
+                             "rebuilt and copied)"  # the sentence the plan and the logs print
+        assert Finding.from_dict(found.to_dict()) == found
         assert prog.stats["passes"].get("ring_in_place", 0) == 0
         # left stock: the whole functional result, then its copy into the region buffer
         assert entry["regions"]["ring"] == {"stock": 6 * 4 * F32, "optimized": 2 * 6 * 4 * F32}
@@ -293,7 +300,9 @@ def test_ring_update_from_a_view_of_itself_is_refused():
         (entry,) = state_traffic(prog)
         assert bool(entry["left_stock"]) == refused, entry
         if refused:
-            assert "reads the region's own storage" in entry["left_stock"][0]
+            (found,) = entry["left_stock"]
+            assert (found.pattern, found.region) == (RING_UPDATE_KEPT, "ring"), found
+            assert "reads the region's own storage" in found.reason, found
         stock = ep.module()
         cache = torch.randn(1, 6, 4)
         ref_cache = cache.clone()

@@ -82,9 +82,22 @@ def written_args(n: Node) -> list[object]:
     return out
 
 
+def is_export_guard(mod: object) -> bool:
+    """torch.export's input guard: the module ``ep.module()`` attaches as ``_guards_fn`` and calls on the
+    inputs first, a generated checker of the sizes the program was specialised to (it reads shapes,
+    never elements). Told by its class, ``torch.export._unlift.GuardsFn`` (named, not imported: private)."""
+    return type(mod).__name__ == "GuardsFn"
+
+
 def is_guard(node: Node) -> bool:
-    """The unlifted module's input-shape guard: it reads shapes, never elements."""
-    return node.op == "call_module" and str(node.target).startswith("_guards")
+    """A call of torch.export's input guard (:func:`is_export_guard`) in the graph of a module."""
+    if node.op != "call_module":
+        return False
+    owner = node.graph.owning_module
+    try:
+        return owner is not None and is_export_guard(owner.get_submodule(str(node.target)))
+    except AttributeError:  # not a submodule of the module that owns the graph
+        return False
 
 
 def is_random(node: Node) -> bool:

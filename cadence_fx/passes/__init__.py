@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Node
 
+from cadence_fx.annotations import Finding
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
 from cadence_fx.runtime.workspaces import CatalogTables
@@ -64,7 +65,12 @@ class ProgramFacts:
     # (analysis.traffic.state_bytes_written; None: a value on the way could not be sized)
     state_bytes: dict[str, dict[str, int | None]] = field(default_factory=dict)
     # patterns a state pass recognised but could not prove exact: left as the stock program has them
-    left_stock: list[str] = field(default_factory=list)
+    left_stock: list[Finding] = field(default_factory=list)
+
+    def leave_stock(self, pattern: str, subject: str, reason: str) -> None:
+        """Record that a pass left ``pattern`` (a finding kind of :mod:`cadence_fx.annotations`) stock for
+        ``subject`` (a region, or a workspace attribute), and why."""
+        self.left_stock.append(Finding(pattern, subject, reason, tuple((n, s.extent) for n, s in self.sites.items())))
 
 
 @dataclass

@@ -5,8 +5,8 @@ passes the tensor to each partition as an input. A partition replayed as a CUDA 
 every call, one attribute lookup in the outer graph and one signature check in the replay engine per
 weight: for the released Moshi LM hundreds of weights next to its 100 state inputs, more host time
 than the state itself. A weight does not change between calls, so the partition reads it as its own
-attribute instead: the same tensor object, registered on the sub-module under the outer name (no
-copy), and the input goes away.
+attribute instead: the same tensor object, registered on the sub-module under the outer name
+(``annotations.bound_name``; no copy), and the input goes away.
 
 Only tensors no node of the program writes in place are bound (a workspace, a region buffer or a
 counter stays an input, so the replay engine still sees, snapshots and restores what it writes).
@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import bound_name
 from cadence_fx.analysis.graph_io import fetch_attr
 from cadence_fx.analysis.writes import attribute_writes
 from cadence_fx.passes import PassContext
-
-BOUND_PREFIX = "bound__"
 
 
 def bind_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -42,7 +41,7 @@ def bind_constants(gm: GraphModule, ctx: PassContext) -> GraphModule:
             if not isinstance(value, torch.Tensor) or arg.target in written:
                 keep_args.append(arg)
                 continue
-            name = BOUND_PREFIX + arg.target.replace(".", "__")
+            name = bound_name(arg.target)
             if not hasattr(sub, name):
                 if isinstance(value, torch.nn.Parameter):
                     sub.register_parameter(name, value)

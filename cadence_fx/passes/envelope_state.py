@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.annotations import is_state_attr
+from cadence_fx.annotations import CONTIGUOUS_INPUT_COPY, HISTORY_WORKSPACE_KEPT, is_state_attr
 from cadence_fx.binding import RegionSite
 from cadence_fx.analysis.aliases import view_root
 from cadence_fx.analysis.boxes import access_boxes, box_covered, leaf_consumers, reach, stride_independent
@@ -58,7 +58,7 @@ def envelope_state(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if reason is None:
             merged += 1
         else:
-            ctx.program.left_stock.append(f"region {name!r}: history workspace kept ({reason})")
+            ctx.program.leave_stock(HISTORY_WORKSPACE_KEPT, name, reason)
         stride_bound = [u for u in state.placeholder.users
                         if not is_guard(u) and not _moves_only(u, state.placeholder)]
         if stride_bound:
@@ -67,9 +67,8 @@ def envelope_state(gm: GraphModule, ctx: PassContext) -> GraphModule:
                                             {"memory_format": torch.contiguous_format})
             for u in stride_bound:
                 u.replace_input_with(state.placeholder, dense)
-            ctx.program.left_stock.append(
-                f"region {name!r}: input read by {stride_bound[0].name} ({overload_name(stride_bound[0])}), "
-                "which may depend on strides: it reads a contiguous copy of the envelope-layout state")
+            ctx.program.leave_stock(CONTIGUOUS_INPUT_COPY, name, f"input read by {stride_bound[0].name} "
+                                    f"({overload_name(stride_bound[0])}), which may depend on strides")
     ctx.record("envelope_state", merged)
     return gm
 

@@ -8,11 +8,9 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
-from cadence_fx.annotations import SEGMENT, WRAPPED
-from cadence_fx.analysis.ops import is_mutating
+from cadence_fx.annotations import PARTITION, SEGMENT, WRAPPED
+from cadence_fx.analysis.ops import is_guard, is_mutating
 from cadence_fx.passes import PassContext
-
-WRAPPED_PREFIX = "wrapped_"
 
 aten = torch.ops.aten
 # Ops that read device data on the host (a synchronization), which a CUDA graph cannot hold. Inside a
@@ -45,7 +43,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return gm
     graph = gm.graph
     compute = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    label = {n: None if breaks_capture(n) or _is_export_guard(n) else invocation(n, wrap) for n in compute}
+    label = {n: None if breaks_capture(n) or is_guard(n) else invocation(n, wrap) for n in compute}
     if not any(label.values()):
         return gm
     label = _segments(compute, label, tuple(ctx.contract.split_at))
@@ -80,7 +78,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if label[n] != last:
             current += 1
             last = label[n]
-        part_of[n] = current
+        part_of[n] = n.meta[PARTITION] = current  # split_module copies it onto the node it makes of n
     names = {part_of[n]: label[n] for n in schedule}  # (wrapped invocation, segment) or None
     guards = _lift_export_guards(gm)
     gm.recompile()  # split_module reads the module's code, not only its graph
@@ -89,13 +87,15 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         return part_of.get(node, 0)
 
     split = split_module(gm, gm, callback, keep_original_order=True, keep_original_node_name=True)
+    for n in schedule:
+        del n.meta[PARTITION]
     wrapped = 0
     for node in split.graph.nodes:
-        if node.op == "call_module" and node.target.startswith("submod_"):
-            idx = int(node.target.split("_")[1])
-            if names.get(idx) is not None:
-                node.meta[WRAPPED], node.meta[SEGMENT] = names[idx]
-                wrapped += 1
+        sub = getattr(split, node.target) if node.op == "call_module" else None
+        if isinstance(sub, GraphModule) and (idx := _partition_index(sub)) is not None \
+                and names.get(idx) is not None:
+            node.meta[WRAPPED], node.meta[SEGMENT] = names[idx]
+            wrapped += 1
     split.meta = dict(getattr(gm, "meta", {}))
     # split_module builds a plain graph; keep the exported module's pytree calling convention
     # (a single output stays a tensor, not a 1-tuple)
@@ -140,16 +140,31 @@ def breaks_capture(node: Node) -> bool:
     return bool(devices) and len(devices | {val.device.type}) > 1
 
 
-def _is_export_guard(n: Node) -> bool:
-    """torch.export's input guard (``_guards_fn``): a Python call on the inputs, kept out of every
-    partition (inside one it would make the partition's written arguments unknown)."""
-    return n.op == "call_module" and str(n.target).startswith("_guards")
+# the grad-mode and autocast switches split_module repeats in every partition a region of them spans
+# (a copy of the node, so of its meta, where the region re-enters or exits): another partition's index
+_REENTERED = frozenset({torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast})
+
+
+def _partition_index(sub: GraphModule) -> int | None:
+    """The partition ``split_module`` made ``sub`` of: the :data:`~cadence_fx.annotations.PARTITION` its
+    nodes carry, taken off them (its inputs, whose meta is copied from the node that feeds them, and the
+    repeated switches carry another partition's). None where it holds no other node: nothing to replay."""
+    found: set[int] = set()
+    for n in sub.graph.nodes:
+        idx = n.meta.pop(PARTITION, None)
+        if idx is not None and n.op not in ("placeholder", "get_attr") and n.target not in _REENTERED:
+            found.add(idx)
+    if len(found) > 1:
+        raise RuntimeError(f"partition: split_module put nodes of partitions {sorted(found)} into one module")
+    return found.pop() if found else None
 
 
 def _lift_export_guards(gm: GraphModule) -> list[tuple[str, torch.nn.Module, tuple, dict]]:
-    """Take the input guards out of the graph before splitting (they go back at the top after)."""
+    """Take the input guards (``analysis.ops.is_guard``: a Python call on the inputs, which inside a
+    partition would make its written arguments unknown) out of the graph before splitting; they go
+    back at the top after, outside every partition."""
     out = []
-    for n in [n for n in gm.graph.nodes if _is_export_guard(n)]:
+    for n in [n for n in gm.graph.nodes if is_guard(n)]:
         if n.users or not all(a.op == "placeholder" for a in n.all_input_nodes):
             continue  # not the plain input check export emits: leave it where it is
         out.append((str(n.target), gm.get_submodule(str(n.target)),

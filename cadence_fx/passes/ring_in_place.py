@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from cadence_fx.annotations import RING_UPDATE_KEPT
 from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.analysis.aliases import storage_root, written_in_place
 from cadence_fx.analysis.graph_io import shape_of
@@ -53,8 +54,7 @@ def ring_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         why = _unprovable(graph, ph, epilogue, links)
         if why is not None:
-            msg = f"region {name!r}: {why}; the functional update is left stock (whole region rebuilt and copied)"
-            ctx.program.left_stock.append(msg)
+            ctx.program.leave_stock(RING_UPDATE_KEPT, name, why)
             continue
         _rewrite(gm, ctx, name, ph, epilogue, links)
         changed += len(links) + (epilogue is not None)

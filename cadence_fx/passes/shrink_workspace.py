@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-from cadence_fx.annotations import OWNED_PREFIX, WORKSPACE_PREFIX
+from cadence_fx.annotations import WORKSPACE_PREFIX, WORKSPACE_STOCK_SIZE, is_owned_attr
 from cadence_fx.analysis.boxes import access_boxes, leaf_consumers, reach, stride_independent
 from cadence_fx.analysis.graph_io import register_tensor
 from cadence_fx.analysis.ops import is_guard, overload_name
@@ -27,7 +27,7 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
     buffers = dict(gm.named_buffers())
     shrunk = 0
     for node in list(graph.nodes):
-        if node.op != "get_attr" or node.target not in buffers or node.target.startswith(OWNED_PREFIX):
+        if node.op != "get_attr" or node.target not in buffers or is_owned_attr(node.target):
             continue
         tensor = buffers[node.target]
         shape = tuple(tensor.shape)
@@ -42,8 +42,8 @@ def shrink_workspace(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         reader = _layout_bound_reader(uses, shape)
         if reader is not None:  # the smaller copy's strides differ: only layout-independent reads are exact
-            ctx.program.left_stock.append(f"workspace {node.target!r} kept at its stock size: {reader} reads it "
-                                          "by more than moving or mapping elements")
+            ctx.program.leave_stock(WORKSPACE_STOCK_SIZE, node.target,
+                                    f"{reader} reads it by more than moving or mapping elements")
             continue
         for n, args in rewrites:
             n.args = args

@@ -22,6 +22,7 @@ import torch
 from torch.fx import Graph, GraphModule
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from cadence_fx.analysis.ops import is_export_guard
 from cadence_fx.runtime.workspaces import SharedWorkspace
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
 from cadence_fx.runtime.state import StateStore
@@ -53,11 +54,12 @@ class NotCopyable(Exception):
 
 
 def export_guards(mod: torch.nn.Module) -> set[str]:
-    """The children of ``mod`` that are torch.export's input guard (``_guards_fn``, a generated checker
-    of the example shapes the program was specialised to) and are called for no value."""
+    """The children of ``mod`` that are torch.export's input guard (:func:`~cadence_fx.analysis.ops.is_export_guard`:
+    ``_guards_fn``, a generated checker of the example shapes the program was specialised to) and are
+    called for no value."""
     if not isinstance(mod, GraphModule):
         return set()
-    names = {name for name, child in mod._modules.items() if type(child).__name__ == "GuardsFn"}
+    names = {name for name, child in mod._modules.items() if is_export_guard(child)}
     for n in mod.graph.nodes:
         if n.op == "call_module" and n.target in names and n.users:
             names.discard(n.target)  # its result is used: not only a check

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.fx import GraphModule
 
-from cadence_fx.annotations import OWNED_PREFIX
+from cadence_fx.annotations import is_owned_attr
 from cadence_fx.binding import RegionSite
 from cadence_fx.analysis.graph_io import fetch_attr
 from cadence_fx.analysis.writes import attribute_writes
@@ -147,7 +147,7 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], 
         # written in the module's own graph or, through the input it is passed as, inside a partition
         # it calls (a solver's per-step cache buffer: the root passes it, a partition writes it)
         for target in sorted(attribute_writes(mod)):
-            if target.startswith(OWNED_PREFIX):
+            if is_owned_attr(target):
                 continue
             owner_path, _, leaf = target.rpartition(".")
             owner = fetch_attr(mod, owner_path) if owner_path else mod
