@@ -284,6 +284,32 @@ def test_unprovable_ring_update_is_left_stock_and_reported(alias_src):
         assert entry["regions"]["ring"] == {"stock": 6 * 4 * F32, "optimized": 2 * 6 * 4 * F32}
 
 
+def test_a_saved_program_keeps_its_findings(tmp_path):
+    """``left_stock`` records survive ``cf.save`` / ``cf.load`` field by field; a stored finding of
+    an unknown kind is an ArtifactError, not a raw exception."""
+    import hashlib
+    import json
+
+    step = ReadsOldRing(False).eval()
+    ep = torch.export.export(step, (torch.zeros(2, 3), torch.zeros(1, 6, 4), torch.arange(2)))
+    contract = cf.Contract(clocks=(cf.Clock("frame", 2),), wrap=(cf.WHOLE_STEP,), regions=(
+        cf.Region("ring", input="cache", output=1, clock="frame", axis=1, order=None,
+                  retention=cf.Ring(6), initial=6),))
+    prog = cf.optimize([ep], contract, replay="off")
+    path = tmp_path / "ring.cfx"
+    cf.save(prog, path)
+    (want,), (got,) = (state_traffic(p)[0]["left_stock"] for p in (prog, cf.load(path)))
+    assert isinstance(got, Finding) and got == want and got.pattern == RING_UPDATE_KEPT
+    payload = torch.load(path, weights_only=True)
+    text = payload["manifest"].replace(json.dumps(RING_UPDATE_KEPT), '"no_such_kind"')
+    assert text != payload["manifest"]
+
+    payload.update(manifest=text, manifest_sha256=hashlib.sha256(text.encode()).hexdigest())
+    torch.save(payload, path)
+    with pytest.raises(cf.ArtifactError, match="left_stock holds a finding that is not one"):
+        cf.load(path)
+
+
 def test_ring_update_from_a_view_of_itself_is_refused():
     class SelfView(torch.nn.Module):
         def forward(self, x, cache, pos):

@@ -24,13 +24,12 @@ import torch.utils._pytree as pytree
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
-from cadence_fx.annotations import RANDOM, REPLAY, SEGMENT, WRAPPED, ReplaySpec
+from cadence_fx.annotations import META_PREFIX, RANDOM, REPLAY, SEGMENT, WRAPPED, ReplaySpec
 from cadence_fx.artifact.exceptions import ArtifactError, ArtifactMismatch, where
 from cadence_fx.artifact.values import MAX_DEPTH, decode, encode, parse_ints
 
 __all__ = ["check_modules", "decode_graph", "decoded_module", "dotted", "encode_graph", "identifier"]
 
-_META_PREFIX = "cadence_"  # node.meta keys the passes write for the runtime (cadence_fx.annotations)
 
 # What a stored graph may name. Nothing from the file reaches generated source or an import: node
 # names, placeholder targets and pytree argument names are ASCII identifiers, attribute and submodule
@@ -64,7 +63,7 @@ def encode_graph(graph: Graph, where: str, *, skip: AbstractSet[str] = frozenset
             raise ArtifactError(f"cadence_fx.save: {where}, node {n.name!r}: {e}") from None
         meta = {}
         for k, v in n.meta.items():
-            if k.startswith(_META_PREFIX):
+            if k.startswith(META_PREFIX):
                 try:
                     meta[k] = _meta_enc(k, v)
                 except ArtifactError as e:

@@ -10,7 +10,7 @@ from torch.fx import GraphModule
 from cadence_fx.artifact.environment import device_map, saved_device
 from cadence_fx.artifact.exceptions import ArtifactError, where
 from cadence_fx.artifact.graph_codec import decoded_module
-from cadence_fx.artifact.values import STORED_FACTS, decode, decode_plan, decode_site, parse_dtype
+from cadence_fx.artifact.values import STORED_FACTS, decode, decode_fact, decode_plan, decode_site, parse_dtype
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
 from cadence_fx.passes import ProgramFacts
@@ -113,7 +113,7 @@ class ArtifactSource:
         assert isinstance(root, GraphModule)
         for k, v in p["facts"].items():  # the passes' counts and notes, as optimize recorded them
             if k in STORED_FACTS:
-                setattr(facts, k, decode(v))
+                setattr(facts, k, decode_fact(k, v))
         if p["folded"] is not None:
             fw = FoldedWeights()
             for name, idx, digest in p["folded"]:

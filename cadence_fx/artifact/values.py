@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.fx import Node
 
+from cadence_fx.annotations import Finding
 from cadence_fx.artifact.exceptions import ArtifactError
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Clock, Contract, HeadTail, Region, Ring, SlidingWindow
@@ -163,11 +164,27 @@ def encode_facts(facts: ProgramFacts) -> dict[str, Any]:
     for f in fields(facts):
         if f.name not in STORED_FACTS:
             continue
+        value = getattr(facts, f.name)
+        if f.name == "left_stock":  # records: stored as the plain dicts they give
+            value = [finding.to_dict() for finding in value]
         try:
-            out[f.name] = encode(getattr(facts, f.name))
+            out[f.name] = encode(value)
         except ArtifactError:
             continue  # a finding the runtime never reads back
     return out
+
+
+def decode_fact(name: str, value: Any) -> Any:
+    """A stored finding as the program holds it (``left_stock``: :class:`Finding` records)."""
+    value = decode(value)
+    if name != "left_stock":
+        return value
+    if not isinstance(value, list):
+        raise ArtifactError(f"left_stock is a {type(value).__name__}, not a list of findings")
+    try:
+        return [Finding.from_dict(d) for d in value]
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ArtifactError(f"left_stock holds a finding that is not one ({type(e).__name__}: {e})") from None
 
 
 def encode_plan(plan: Plan) -> dict[str, Any]:
