@@ -55,9 +55,10 @@ def test_sessions_on_lanes_from_threads_are_bit_exact_alone_and_concurrent():
     solo = {s: _stream(cf.reference(ref_eps), [x + s * 0.01 for x in state0], s, calls, clone_state=True) for s in range(6)}
     alone = _stream(prog.session(), [x + 0.0 for x in state0], 0, calls, clone_state=False)
     digests: dict[int, str] = {}
+    held = {s: prog.session(f"s{s}") for s in range(6)}  # sessions are held weakly by the program
 
     def run(s):
-        digests[s] = _stream(prog.session(f"s{s}"), [x + s * 0.01 for x in state0], s, calls, clone_state=False)
+        digests[s] = _stream(held[s], [x + s * 0.01 for x in state0], s, calls, clone_state=False)
 
     threads = [threading.Thread(target=run, args=(s,)) for s in range(6)]
     for t in threads:
