@@ -12,7 +12,7 @@ from cadence_fx.contract import (WHOLE_STEP, Clock, Contract, ContractError, Hea
                                  SlidingWindow)
 from cadence_fx.export import example_inputs, export_catalog
 from cadence_fx.runtime.weights import WeightsChanged
-from cadence_fx.plan import Plan, call_classes, plan, region_extents
+from cadence_fx.plan import Plan, call_classes, plan, region_extents, state_traffic
 from cadence_fx.program import OptimizedProgram, optimize
 from cadence_fx.runtime.backends import CudaGraphBackend
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
@@ -28,6 +28,6 @@ __all__ = [
     "HeadTail",
     "OptimizedProgram", "Plan", "Region",
     "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "call_classes",
-    "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save", "state_to",
+    "example_inputs", "export_catalog", "load", "optimize", "plan", "reference", "region_extents", "save", "state_to", "state_traffic",
 ]
 __version__ = "0.1.0"

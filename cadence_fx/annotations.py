@@ -28,6 +28,7 @@ REGION_PREFIX = "_cf_region_"        # a contract-owned region buffer (state)
 WORKSPACE_PREFIX = "_cf_workspace_"  # a demand-sized copy of a program-owned workspace (state)
 CONST_PREFIX = "_cf_const_"          # a hoisted constant (computed once at optimize time)
 INLINED_PREFIX = "_cf_inlined_"      # a tensor an inlined subgraph referenced
+RETURNED_PREFIX = "_cf_returned_"    # a module tensor the step returns as it is, re-attached after partitioning
 AUDITOR_ATTR = "_cf_auditor"         # verify mode's auditor object
 STATE_PREFIXES = (REGION_PREFIX, WORKSPACE_PREFIX)
 OWNED_PREFIX = "_cf_"                # anything the passes registered

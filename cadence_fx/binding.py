@@ -13,6 +13,7 @@ from typing import Iterator, Sequence
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from cadence_fx.contract import Contract, ContractError, Region
@@ -79,7 +80,9 @@ def _restrict(shape: tuple[int, ...], live: tuple[tuple[int, int], ...]) -> tupl
 
 
 def input_names(ep: ExportedProgram) -> list[str]:
-    return list(ep.graph_signature.user_inputs)
+    """The exported program's user inputs, in calling order, by name (a Python scalar export baked in,
+    ``ConstantArgument``, is named too: ``graph_signature.user_inputs`` holds its value instead)."""
+    return [spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
 
 
 def _static_shape(val: object, what: str) -> tuple[int, ...]:

@@ -292,3 +292,65 @@ def test_a_lanes_engines_stage_into_one_shared_arena():
     assert len(reports) > cfg.steps and prog.counters()["replays"] > 0
     assert allocated == prog.memory_census()["staging"]
     assert max(staged) <= allocated < sum(staged) / 2, (allocated, staged)
+
+
+class _ScaledWindow(torch.nn.Module):
+    """A window cache and a Python int argument (export bakes its value into the program)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache, scale: int):
+        kv = torch.cat([cache, self.lin(x)], 1)
+        return kv.sum(1) * scale, kv[:, -3:]
+
+
+class _ReturnsConstants(torch.nn.Module):
+    """Returns a host-built constant (hoisted into a buffer) and a weight as they are, beside a cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        kv = torch.cat([cache, self.lin(x)], 1)
+        return kv.sum(1), kv[:, -3:], torch.arange(4), self.lin.bias
+
+
+def _window_contract(wrap):
+    return cf.Contract(clocks=(cf.Clock("frame", 1),), wrap=wrap, regions=(
+        cf.Region("kv", input="cache", output=1, clock="frame", axis=1, order="old_new",
+                  retention=cf.SlidingWindow(3), initial=3),))
+
+
+def test_a_python_int_argument_keys_the_catalog_by_value():
+    torch.manual_seed(0)
+    contract = _window_contract((cf.WHOLE_STEP,))
+    eps = cf.export_catalog(_ScaledWindow().eval(), contract,
+                            {"x": torch.zeros(1, 1, 4), "cache": torch.zeros(1, 3, 4), "scale": 3})
+    prog, ref = cf.optimize(eps, contract, replay=FakeBackend()), cf.reference(eps)
+    c = r = torch.randn(1, 3, 4)
+    for _ in range(4):
+        x = torch.randn(1, 1, 4)
+        (y, c), (y_ref, r) = prog(x, c, 3), ref(x, r, 3)
+        assert torch.equal(y, y_ref) and torch.equal(c, r)
+    with pytest.raises(cf.CatalogMiss):
+        prog(torch.randn(1, 1, 4), c, 4)  # another value is another program, which was not exported
+
+
+@pytest.mark.parametrize("wrap", [(cf.WHOLE_STEP,), ("lin",)])
+def test_outputs_that_are_module_tensors_survive_partitioning(wrap, tmp_path):
+    torch.manual_seed(0)
+    contract = _window_contract(wrap)
+    eps = cf.export_catalog(_ReturnsConstants().eval(), contract, {"x": torch.zeros(1, 1, 4), "cache": torch.zeros(1, 3, 4)})
+    prog, ref = cf.optimize(eps, contract, replay="off"), cf.reference(eps)
+    cf.save(prog, tmp_path / "p.cfx")
+    loaded = cf.load(tmp_path / "p.cfx")
+    c = r = l = torch.randn(1, 3, 4)
+    for _ in range(3):
+        x = torch.randn(1, 1, 4)
+        got, want, back = prog(x, c), ref(x, r), loaded(x, l)
+        assert all(torch.equal(a, b) and torch.equal(a, d) for a, b, d in zip(got, want, back))
+        c, r, l = got[1], want[1].clone(), back[1]
+    assert cf.state_traffic(prog)[0]["regions"]["kv"]["optimized"] is not None  # the public figure

@@ -8,7 +8,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
-from cadence_fx.annotations import PARTITION, SEGMENT, WRAPPED
+from cadence_fx.analysis.graph_io import fetch_attr, flat_outputs, register_tensor, set_flat_output
+from cadence_fx.annotations import PARTITION, RETURNED_PREFIX, SEGMENT, WRAPPED
 from cadence_fx.analysis.ops import is_guard, is_mutating
 from cadence_fx.passes import PassContext
 
@@ -81,6 +82,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
         part_of[n] = n.meta[PARTITION] = current  # split_module copies it onto the node it makes of n
     names = {part_of[n]: label[n] for n in schedule}  # (wrapped invocation, segment) or None
     guards = _lift_export_guards(gm)
+    returned_attrs = _unhook_returned_attributes(gm)
     gm.recompile()  # split_module reads the module's code, not only its graph
 
     def callback(node: Node) -> int:
@@ -96,6 +98,7 @@ def partition(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 and names.get(idx) is not None:
             node.meta[WRAPPED], node.meta[SEGMENT] = names[idx]
             wrapped += 1
+    _rehook_returned_attributes(split, returned_attrs)
     split.meta = dict(getattr(gm, "meta", {}))
     # split_module builds a plain graph; keep the exported module's pytree calling convention
     # (a single output stays a tensor, not a 1-tuple)
@@ -214,3 +217,32 @@ def _keyed_topological_order(nodes: list[Node], edges: dict[Node, set[Node]], ke
     if len(out) != len(nodes):
         raise RuntimeError("partition: the graph's dependencies have a cycle")  # an FX graph never has one
     return out
+
+
+def _unhook_returned_attributes(gm: GraphModule) -> dict[int, torch.Tensor]:
+    """Take out of the outputs every module tensor the step returns as it is (a hoisted constant, a
+    weight): ``split_module`` with ``keep_original_order`` builds the root's ``get_attr`` nodes only
+    for what a partition reads, and fails on one only the output reads. ``{output slot: tensor}``."""
+    out: dict[int, torch.Tensor] = {}
+    unhooked = []
+    for i, v in enumerate(flat_outputs(gm.graph)):
+        if isinstance(v, Node) and v.op == "get_attr":
+            out[i] = fetch_attr(gm, v.target)
+            set_flat_output(gm.graph, i, None)
+            unhooked.append(v)
+    for n in unhooked:
+        if not n.users:  # read by nothing but the output: the split would keep it as a dangling node
+            gm.graph.erase_node(n)
+    return out
+
+
+def _rehook_returned_attributes(split: GraphModule, returned: dict[int, torch.Tensor]) -> None:
+    """Put the tensors :func:`_unhook_returned_attributes` took out back into the split root's outputs,
+    each as an attribute of the root (the same tensor: no copy)."""
+    if not returned:
+        return
+    out = split.graph.output_node()
+    for i, t in returned.items():
+        with split.graph.inserting_before(out):
+            node = split.graph.get_attr(register_tensor(split, RETURNED_PREFIX, t))
+        set_flat_output(split.graph, i, node)

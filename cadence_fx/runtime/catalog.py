@@ -14,6 +14,8 @@ from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 import torch
 from torch.export import ExportedProgram
 
+from cadence_fx.binding import input_names
+
 __all__ = ["ArgKey", "Catalog", "CatalogMiss", "arg_key", "input_names", "program_key", "reference"]
 
 V = TypeVar("V")
@@ -23,11 +25,6 @@ Rekey = Mapping[int, Mapping[int, tuple[int, int]]]  # input index -> {dim: (liv
 
 class CatalogMiss(RuntimeError):
     """A call whose input signature no exported program of the catalog covers."""
-
-
-def input_names(ep: ExportedProgram) -> list[str]:
-    """The exported program's user inputs, in calling order."""
-    return list(ep.graph_signature.user_inputs)
 
 
 _VALUED = (bool, int, float, str, type(None))  # export specializes these to the value it saw
