@@ -65,3 +65,17 @@ def demo_catalog(cfg=None):
     model = StreamingDecoder(cfg).eval()
     contract = demo_contract(cfg)
     return model, contract, export_catalog(model, contract)
+
+
+def demo_inputs(cfg, seed: int, k: int):
+    """Call ``k`` of conversation ``seed`` on the demo decoder: (tokens, noise), seeded on the host."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + k)
+    return torch.randn(1, cfg.chunk, cfg.dim, generator=g), torch.randn(1, cfg.chunk, cfg.dim, generator=g)
+
+
+def demo_call(fn, cfg, seed: int, k: int, state):
+    """``fn`` (a program, a session or the reference) on call ``k`` of conversation ``seed``."""
+    tok, noise = demo_inputs(cfg, seed, k)
+    return fn(tok, *state, noise)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import cadence_fx as cf
 from cadence_fx.testing.demo_model import DemoConfig
 from cadence_fx.testing.fake_backend import FakeBackend
-from tests.helpers import demo_catalog, live_view, sha256
+from tests.helpers import demo_call, demo_catalog, demo_inputs, live_view, sha256
 
 CFG = DemoConfig()
 LIVE = {2: {0: CFG.steps}}
@@ -24,13 +24,11 @@ def setup():
 
 
 def _fresh(seed: int, k: int):
-    g = torch.Generator().manual_seed(seed * 1000 + k)
-    return torch.randn(1, CFG.chunk, CFG.dim, generator=g), torch.randn(1, CFG.chunk, CFG.dim, generator=g)
+    return demo_inputs(CFG, seed, k)
 
 
 def _call(fn, seed, k, state):
-    tok, noise = _fresh(seed, k)
-    return fn(tok, *state, noise)
+    return demo_call(fn, CFG, seed, k, state)
 
 
 def _solo(eps, state0, seed, calls):

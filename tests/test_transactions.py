@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cadence_fx as cf
 from cadence_fx.testing.demo_model import DemoConfig
 from cadence_fx.testing.fake_backend import FakeBackend
-from tests.helpers import demo_catalog, live_view
+from tests.helpers import demo_call, demo_catalog, demo_inputs, live_view
 
 CFG = DemoConfig()
 LIVE = {2: {0: CFG.steps}}
@@ -48,13 +48,11 @@ def setup():
 
 
 def _inputs(seed: int, k: int):
-    g = torch.Generator().manual_seed(seed * 1000 + k)
-    return torch.randn(1, CFG.chunk, CFG.dim, generator=g), torch.randn(1, CFG.chunk, CFG.dim, generator=g)
+    return demo_inputs(CFG, seed, k)
 
 
 def _call(fn, seed, k, state):
-    tok, noise = _inputs(seed, k)
-    return fn(tok, *state, noise)
+    return demo_call(fn, CFG, seed, k, state)
 
 
 def _same(ref, opt) -> bool:
@@ -167,7 +165,6 @@ def test_a_restore_that_raises_half_way_leaves_the_session(setup):
     state = list(_call(s, 2, 0, list(model.initial_state()))[1:])
     snap = s.snapshot()
     state = list(_call(s, 2, 1, state)[1:])
-    kept = [t.clone() for t in state]
     probe = FaultAt(0)
     with probe:
         s.restore(snap)
