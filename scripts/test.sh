@@ -7,7 +7,8 @@
 # the decoder needs only torch, einops and scipy; their __init__ pulls in ASR/onnx code we never run),
 # and moshi==0.2.13 (the Moshi adapter) into .upstream/moshi-0.2.13, also without its dependencies: the
 # wheel pins torch<2.10 and pulls audio I/O (sounddevice, sphn), aiohttp and bitsandbytes; the step
-# imports only torch, einops and numpy (cadence_fx/adapters/moshi/upstream.py).
+# imports only torch, einops and numpy (cadence_fx/adapters/moshi/upstream.py). transformers 5.x comes
+# with the test extras (the corpus, tests/corpus/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${CADENCE_FX_VENV:-.venv}
@@ -30,6 +31,12 @@ for spec in "minicpmo==0.1.2:minicpmo-0.1.2" "minicpmo-utils==1.0.7:minicpmo-uti
 done
 if [ ! -d "$UP/moshi-0.2.13/moshi" ]; then
   "$py" -m pip install -q --no-deps --target "$UP/moshi-0.2.13" "moshi==0.2.13"
+fi
+# torchaudio 2.9.1 for the corpus's Emformer and RNN-T: its wheel is built against torch 2.9 and its C
+# extension does not load beside torch 2.13, so it goes into its own folder without dependencies and
+# the corpus imports its pure-Python model files only (tests/corpus/_torchaudio.py)
+if [ ! -d "$UP/torchaudio-2.9.1/torchaudio" ]; then
+  "$py" -m pip install -q --no-deps --target "$UP/torchaudio-2.9.1" "torchaudio==2.9.1"
 fi
 export CADENCE_FX_UPSTREAM="$UP"
 exec "$py" -m pytest -q "$@"
