@@ -54,6 +54,9 @@ RING_UPDATE_KEPT = "ring_update_kept"              # ring_in_place: the function
 HISTORY_WORKSPACE_KEPT = "history_workspace_kept"  # envelope_state: the history stays in a workspace of its own
 CONTIGUOUS_INPUT_COPY = "contiguous_input_copy"    # envelope_state: a stride-bound reader gets a contiguous copy
 WORKSPACE_STOCK_SIZE = "workspace_stock_size"      # shrink_workspace: the workspace stays at its stock size
+CAT_NOT_APPEND = "cat_not_append"                  # carry_writeback: a cat of the region that is no append
+STATE_REPLACED = "state_replaced"                  # retention_in_place: the new state does not read the old one
+STATE_COPIED = "state_copied"                      # retention_in_place: the new state is no slices of one tensor
 # how each reads in a log or a benchmark record: ``subject`` (the region, or the workspace attribute) and ``reason``
 _FINDING_TEXT = {
     RING_UPDATE_KEPT: "region {subject!r}: {reason}; the functional update is left stock (whole region rebuilt "
@@ -61,6 +64,9 @@ _FINDING_TEXT = {
     HISTORY_WORKSPACE_KEPT: "region {subject!r}: history workspace kept ({reason})",
     CONTIGUOUS_INPUT_COPY: "region {subject!r}: {reason}: it reads a contiguous copy of the envelope-layout state",
     WORKSPACE_STOCK_SIZE: "workspace {subject!r} kept at its stock size: {reason}",
+    CAT_NOT_APPEND: "region {subject!r}: {reason}; no in-place append, the outgoing state is copied into its buffer",
+    STATE_REPLACED: "region {subject!r}: {reason}; the outgoing state is copied into its buffer",
+    STATE_COPIED: "region {subject!r}: {reason}; the outgoing state is copied into its buffer whole",
 }
 FINDING_KINDS = frozenset(_FINDING_TEXT)
 _WORKSPACE_KINDS = frozenset({WORKSPACE_STOCK_SIZE})  # the rest are about a region

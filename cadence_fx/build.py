@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 
 from cadence_fx.analysis.graph_io import numel
 from cadence_fx.binding import RegionSite, bind_regions
+from cadence_fx.buffer_regions import NO_BUFFER_REGIONS, BufferRegions, lift_buffer_regions
 from cadence_fx.contract import Contract, ContractError
 from cadence_fx.passes import PassConfig, PassContext, ProgramFacts
 from cadence_fx.pipeline import run_pipeline
@@ -72,6 +73,11 @@ class ProgramSource(Protocol):
     def state_rule(self) -> bool: ...
 
     @property
+    def buffer_regions(self) -> BufferRegions:
+        """The regions kept in module buffers: inputs the program feeds itself, outputs it drops."""
+        ...
+
+    @property
     def auditor(self) -> Auditor | None:
         """Verify mode's auditor (``None`` off)."""
         ...
@@ -109,6 +115,11 @@ class PassesSource:
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
                  state: bool = True) -> None:
+        # a region kept in a module buffer becomes one more input and output of every program
+        exported, contract, self._buffer_regions = lift_buffer_regions(exported, contract) if state else \
+            (list(exported), contract, NO_BUFFER_REGIONS)
+        if not state and any(r.output is None for r in contract.regions):
+            raise ContractError("module-buffer regions (Region.output=None) need the state rule (state=True)")
         self._shared_bytes = share_catalog_tensors(exported)
         self._contract = contract
         self._plan = make_plan(exported, contract)
@@ -138,6 +149,10 @@ class PassesSource:
     @property
     def state_rule(self) -> bool:
         return self._state_rule
+
+    @property
+    def buffer_regions(self) -> BufferRegions:
+        return self._buffer_regions
 
     @property
     def auditor(self) -> Auditor | None:

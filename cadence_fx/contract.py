@@ -104,8 +104,13 @@ class Region:
 
     Attributes:
         name: label used in plans, errors and counters.
-        input: name of the exported program's user input that carries the region in.
-        output: index into the program's user outputs that carries the region out.
+        input: name of the exported program's user input that carries the region in, or the name
+            (as in ``ep.state_dict``) of a module buffer the program mutates (a cache registered with
+            ``register_buffer`` and written in place: gpt-fast's ``KVCache``, transformers'
+            ``StaticCache``), with ``output=None``.
+        output: index into the program's user outputs that carries the region out; ``None`` for a
+            module buffer: the optimized program then holds the state itself (neither passed in nor
+            returned; each session has its own), starting from the buffer's value at export.
         clock: name of the clock that advances the region's ``axis``.
         axis: the clock axis of the region tensor (negative values count from the end).
         order: how the model concatenates: ``"old_new"`` (``cat([cache, new])``) or
@@ -120,7 +125,7 @@ class Region:
 
     name: str
     input: str
-    output: int
+    output: int | None
     clock: str
     axis: int
     order: Order | None
@@ -137,6 +142,8 @@ class Region:
             if not isinstance(getattr(self, attr), str) or not getattr(self, attr):
                 raise ContractError(f"{where}.{attr}: must be a non-empty string, got {getattr(self, attr)!r}")
         for attr in ("output", "axis"):
+            if attr == "output" and self.output is None:
+                continue  # a module buffer the program mutates
             if not _is_int(getattr(self, attr)):
                 raise ContractError(f"{where}.{attr}: must be an int, got {getattr(self, attr)!r}")
         _check_retention(f"{where}.retention", self.retention)
@@ -223,6 +230,8 @@ class Contract:
             where = f"Region {r.name!r}"
             for attr in ("name", "input", "output"):
                 value = getattr(r, attr)
+                if value is None:  # output=None: a module buffer, which its input names alone
+                    continue
                 if value in seen[attr]:
                     other = seen[attr][value]
                     raise ContractError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -63,6 +63,9 @@ class OptimizedProgram:
         self.plan = source.plan
         self.auditor = source.auditor
         self._names = list(source.names)
+        # regions kept in module buffers: the program feeds those inputs itself and drops those outputs
+        self.buffer_regions = source.buffer_regions
+        self._visible = list(self.buffer_regions.visible_names) if self.buffer_regions else self._names
         self._region_index = {r.name: self._names.index(r.input) for r in self.contract.regions}
         backend = pick_backend(replay)
         self._sites = envelope_sites(self.plan, source.sites, self.state_rule)
@@ -86,8 +89,9 @@ class OptimizedProgram:
 
     @property
     def input_names(self) -> list[str]:
-        """The program's inputs, in calling order (the exported programs' user inputs)."""
-        return list(self._names)
+        """The program's inputs, in calling order (the exported programs' user inputs; a region kept in a
+        module buffer is not one: the program holds it)."""
+        return list(self._visible)
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -97,7 +101,7 @@ class OptimizedProgram:
         accepts in place, the random generators (:class:`cadence_fx.runtime.transaction.UndoLog`;
         ``optimize(..., transactional=False)`` skips the copy, and a call that raises then leaves the
         regions undefined: feed the next call a state of your own)."""
-        flat = self.flatten_inputs(args, kwargs)
+        flat = self.flatten_inputs(args, kwargs, self._default.returned)
         with self.lanes.take(0) as lane, lane.on_stream():  # after a session's call on lane 0 from another stream
             entry = lane.catalog.lookup(flat)
             self.check_entry(entry)
@@ -119,7 +123,7 @@ class OptimizedProgram:
                 self._default.evicted = {}
             if self.state_rule:
                 self._default.returned = lane.state.last_returned()
-            return out
+            return self.visible_outputs(out)
 
     def _call_default(self, lane: Lane, entry: Entry, flat: list[Any], evicted: bool) -> Any:
         if evicted:
@@ -160,13 +164,24 @@ class OptimizedProgram:
                 any(n.target is draw_random for n in entry.gm.graph.nodes if n.op == "call_function")
         return entry.draws
 
-    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-        """Positional and keyword inputs as one list in the exported programs' input order."""
+    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any],
+                       state: Mapping[str, torch.Tensor] | None = None) -> list[Any]:
+        """Positional and keyword inputs as one list in the exported programs' input order; a region
+        kept in a module buffer gets ``state``'s tensor (the conversation's last returned state), or
+        the buffer's value at export on the conversation's first call."""
         kwargs = dict(kwargs)
-        flat = list(args) + [kwargs.pop(n) for n in self._names[len(args):] if n in kwargs]
+        flat = list(args) + [kwargs.pop(n) for n in self._visible[len(args):] if n in kwargs]
         if kwargs:
-            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._names}")
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {self._visible}")
+        if self.buffer_regions:
+            if len(flat) != len(self._visible):
+                raise TypeError(f"{len(flat)} inputs given; the program takes {len(self._visible)}: {self._visible}")
+            flat = self.buffer_regions.flatten(flat, state or {})
         return flat
+
+    def visible_outputs(self, out: Any) -> Any:
+        """What the caller gets of a call's outputs: all of them, less the regions kept in module buffers."""
+        return self.buffer_regions.visible_outputs(out) if self.buffer_regions else out
 
     def lookup(self, flat: Sequence[Any]) -> tuple[tuple, Entry]:
         """``(key, lane 0's catalog entry)`` for a call's inputs (the key selects the class on any lane);
@@ -248,6 +263,7 @@ class OptimizedProgram:
         inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
         do not matter for capture, shapes do). Returns the warm-up seconds and per-class reports.
         """
+        example_args = tuple(self.buffer_regions.flatten(example_args, {})) if self.buffer_regions else example_args
         return warm_up(self.lanes, self.census, example_args, region_index=self._region_index,
                        state_rule=self.state_rule, stats=self._stats)
 

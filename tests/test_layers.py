@@ -24,7 +24,7 @@ LAYERS = [
               "cadence_fx.binding", "cadence_fx.kernel_settings")),
     ("analysis", ("cadence_fx.analysis",)),
     ("runtime", ("cadence_fx.runtime",)),
-    ("passes", ("cadence_fx.passes", "cadence_fx.pipeline", "cadence_fx.plan", "cadence_fx.export",
+    ("passes", ("cadence_fx.passes", "cadence_fx.pipeline", "cadence_fx.plan", "cadence_fx.export", "cadence_fx.buffer_regions",
                 "cadence_fx.shared_weights")),
     ("program", ("cadence_fx.program", "cadence_fx.build", "cadence_fx.artifact")),
     ("top", ("cadence_fx.testing", "cadence_fx.adapters", "cadence_fx.cli", "cadence_fx")),

@@ -14,9 +14,12 @@ from torch.fx import Graph, GraphModule, Node
 from cadence_fx.analysis.aliases import view_root
 from cadence_fx.analysis.ops import is_out_op, is_view, overload_name, returns_views, written_args
 
-# In-place ops that write their destination without reading it: a buffer written only by these before
-# any read in a call holds nothing from the previous call.
-_BLIND_WRITES = {"copy_", "fill_", "zero_", "index_copy_", "index_fill_", "masked_fill_", "scatter_"}
+# In-place ops that write their whole destination without reading it: a buffer written only by these
+# before any read in a call holds nothing from the previous call. The index-addressed writes
+# (``index_copy_``, ``scatter_``, ``masked_fill_``, ``index_put_``) are not among them: they write the
+# positions an index names, and the rest of the buffer still holds what earlier calls wrote there
+# (a KV cache written at this call's positions and read whole).
+_BLIND_WRITES = {"copy_", "fill_", "zero_"}
 
 
 def attribute_writes(gm: GraphModule) -> dict[str, bool]:

@@ -61,6 +61,10 @@ def save(prog: OptimizedProgram, path: str | os.PathLike[str]) -> dict[str, Any]
         raise ArtifactError("cadence_fx.save: the program runs in verify mode (optimize(..., verify=True)), a "
                             "debugging mode whose audits hold Python objects; save a program optimized with "
                             "verify=False")
+    if prog.buffer_regions:
+        raise ArtifactError("cadence_fx.save: the program keeps region(s) "
+                            f"{sorted(prog.buffer_regions.inputs)} in module buffers (Region.output=None), which "
+                            "the artifact format does not store yet; save a program whose regions are inputs")
     for fw in prog.folded_weights():
         fw.check()  # an in-place edit since optimize: the stored constants would be stale
     lane = prog.lanes.lanes[0]

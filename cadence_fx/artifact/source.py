@@ -11,6 +11,7 @@ from cadence_fx.artifact.environment import device_map, saved_device
 from cadence_fx.artifact.exceptions import ArtifactError, where
 from cadence_fx.artifact.graph_codec import decoded_module
 from cadence_fx.artifact.values import STORED_FACTS, decode, decode_fact, decode_plan, decode_site, parse_dtype
+from cadence_fx.buffer_regions import NO_BUFFER_REGIONS
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
 from cadence_fx.passes import ProgramFacts
@@ -32,6 +33,7 @@ class ArtifactSource:
     label = "cadence_fx load"
     copyable = True
     auditor = None  # verify mode is never saved
+    buffer_regions = NO_BUFFER_REGIONS  # save refuses programs with module-buffer regions
     shared_bytes = 0
 
     def __init__(self, manifest: Mapping[str, Any], contract: Contract, tensors: list[torch.Tensor],

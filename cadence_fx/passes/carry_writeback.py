@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from cadence_fx.annotations import REGION_PREFIX
+from cadence_fx.annotations import CAT_NOT_APPEND, REGION_PREFIX
 from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
 from cadence_fx.analysis.boxes import reach
@@ -55,13 +55,21 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
             raise ContractError(
                 f"Region {name!r}: declared order=None (a Ring written in place), but node {cats[0][0].name} "
                 f"concatenates input {region.input!r} along axis {site.axis}; declare the order the model uses")
+        middle = False
         for cat, pos, n_parts in cats:
-            found = "old_new" if pos == 0 else "new_old" if pos == n_parts - 1 else f"middle operand {pos}"
+            if 0 < pos < n_parts - 1:  # cat([key[:a], cache, key[a:]]): no order describes it, none is wrong
+                ctx.program.leave_stock(CAT_NOT_APPEND, name, f"node {cat.name} concatenates input {region.input!r} "
+                                        f"as operand {pos} of {n_parts} (neither first nor last)")
+                middle = True
+                continue
+            found = "old_new" if pos == 0 else "new_old"
             if found != region.order:
                 raise ContractError(
                     f"Region {name!r}: declared order {region.order!r} but node {cat.name} concatenates "
                     f"the cache as {found} ({overload_name(cat)} of {n_parts} operands); declare the "
                     "order the model uses")
+        if middle:
+            continue
         direct = [c for c, pos, _ in cats if c.args[0] and c.args[0][0] is ph and cat_dim(c) == site.axis]
         leading = all(s == 1 for s in site.shape[: site.axis])
         if region.order != "old_new" or not leading or len(direct) != 1 or site.live:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.annotations import is_region_attr
+from cadence_fx.annotations import STATE_COPIED, STATE_REPLACED, is_region_attr
 from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
@@ -62,12 +62,19 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             value = outs[site.region.output % len(outs)]
             # the input, or the region's buffer (an in-place append reads its history there)
             sources = {state.placeholder} | set(graph.find_nodes(op="get_attr", target=state.buffer_attr))
+            growth = ctx.contract.growth(site.region)
             if site.extent > 0 and isinstance(value, Node) and not _depends_on(value, sources, writers):
-                raise ContractError(
-                    f"Region {name!r}: output {site.region.output} is not computed from input {site.region.input!r} "
-                    f"(nothing in its computation reads that input): a region's output must carry that region's "
-                    f"state on; check Region.input and Region.output (swapped with another region's?)")
-            parts = retained_parts(value, site, ctx.contract.growth(site.region))
+                # the state is replaced whole (the tail of the new input, a class that ignores the old
+                # state): nothing of the old one is kept, so there is nothing to keep in place
+                ctx.program.leave_stock(STATE_REPLACED, name, f"output {site.region.output} is not computed from "
+                                        f"input {site.region.input!r} (its new value does not read the old one)")
+                parts = [whole_part(value, site, growth)]
+            else:
+                try:
+                    parts = retained_parts(value, site, growth)
+                except NotSlices as e:
+                    ctx.program.leave_stock(STATE_COPIED, name, str(e))
+                    parts = [whole_part(value, site, growth)]
             staged: list[tuple[_Part, Node]] = []
             for p in parts:
                 # the input itself, or the input written in place (a ring's index_copy_/scatter_, a slice
@@ -285,6 +292,26 @@ def _depends_on(value: Node, sources: set[Node], writers: dict[Node, list[Node]]
     return False
 
 
+class NotSlices(Exception):
+    """The outgoing state is computed, not cut from one tensor: the positions it keeps are not in the graph."""
+
+
+def whole_part(value: object, site: RegionSite, growth: int) -> _Part:
+    """The whole outgoing state as one part (copied into the buffer once), after checking its extent
+    against the policy: the only thing of the retention a computed or replaced state shows."""
+    r = site.region
+    if not isinstance(value, Node) or shape_of(value) is None:
+        raise ContractError(f"Region {r.name!r}: output {r.output} is not a tensor computed by the graph")
+    m = site.extent + growth
+    expect = r.retention.capacity if isinstance(r.retention, Ring) else r.retention.apply(m)
+    if site.out_extent != expect:
+        raise ContractError(
+            f"Region {r.name!r}: the program returns {site.out_extent} positions on axis {site.axis} for an "
+            f"input of {site.extent} (+{growth} per call = {m}), but {r.retention!r} keeps {expect}; the graph's "
+            "retention does not match the declaration")
+    return _Part(value, 0, expect, 0, value)
+
+
 def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
     """Decompose the outgoing state into slices of one source, checking them against the policy."""
     r = site.region
@@ -300,6 +327,9 @@ def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
             f"input of {site.extent} (+{growth} per call = {m}), but {pol!r} keeps {expect}; the graph's "
             "retention does not match the declaration")
     trims = not isinstance(pol, Ring) and m > pol.bound()
+    if trims and _as_slices(value, site.axis) is None:
+        raise NotSlices(f"output {r.output} ({overload_name(value) or value.op} {value.name}) is not slices of one "
+                        f"tensor along axis {site.axis}, so which positions it keeps cannot be read off the graph")
     if not trims:
         # the whole value; when it is a slice of a larger tensor (``kv[-W:]`` while kv is still shorter
         # than W), name that tensor and offset, so a slice of the in-place carry is seen to be in place

@@ -33,7 +33,9 @@ class SessionHost(Protocol):
     lanes: LanePool
 
     def new_region_buffers(self) -> dict[str, torch.Tensor]: ...
-    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]: ...
+    def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any],
+                       state: Mapping[str, torch.Tensor] | None = None) -> list[Any]: ...
+    def visible_outputs(self, out: Any) -> Any: ...
     def lookup(self, flat: Sequence[Any]) -> tuple[tuple, Entry]: ...
     def check_entry(self, entry: Entry) -> None: ...
     def input_index(self, region: str) -> int: ...
@@ -85,7 +87,7 @@ class Session:
         with self._lock:
             if self.closed:
                 raise SessionClosed(f"session {self.name!r} is closed")
-            flat = self.program.flatten_inputs(args, kwargs)
+            flat = self.program.flatten_inputs(args, kwargs, self._returned)
             sources: dict[str, torch.Tensor] = {}
             key, entry = self.program.lookup(flat)
             for name, site in entry.sites.items():
@@ -98,7 +100,7 @@ class Session:
                 self.rng.states = rng_before
                 raise
             self.calls += 1
-            return out
+            return self.program.visible_outputs(out)
 
     def _run_on(self, lane: Lane, entry: Entry, flat: list[Any], sources: dict[str, torch.Tensor]) -> Any:
         program = self.program
