@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 import cadence_fx as cf
 
 # the modules of this package that define a case, in the order the README's table lists them
-CASES = ("code2wav", "static_cache_llm", "emformer", "mimi_encoder", "rnnt_predictor", "ring_buffer")
+CASES = ("code2wav", "static_cache_llm", "emformer", "mimi_encoder", "rnnt_predictor", "demucs_streamer")
 
 
 @dataclass
