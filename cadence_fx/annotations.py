@@ -57,6 +57,7 @@ WORKSPACE_STOCK_SIZE = "workspace_stock_size"      # shrink_workspace: the works
 CAT_NOT_APPEND = "cat_not_append"                  # carry_writeback: a cat of the region that is no append
 STATE_REPLACED = "state_replaced"                  # retention_in_place: the new state does not read the old one
 STATE_COPIED = "state_copied"                      # retention_in_place: the new state is no slices of one tensor
+TRAFFIC_ABOVE_STOCK = "traffic_above_stock"        # retention_in_place: the rewrite moves more state bytes than stock
 # how each reads in a log or a benchmark record: ``subject`` (the region, or the workspace attribute) and ``reason``
 _FINDING_TEXT = {
     RING_UPDATE_KEPT: "region {subject!r}: {reason}; the functional update is left stock (whole region rebuilt "
@@ -67,6 +68,7 @@ _FINDING_TEXT = {
     CAT_NOT_APPEND: "region {subject!r}: {reason}; no in-place append, the outgoing state is copied into its buffer",
     STATE_REPLACED: "region {subject!r}: {reason}; the outgoing state is copied into its buffer",
     STATE_COPIED: "region {subject!r}: {reason}; the outgoing state is copied into its buffer whole",
+    TRAFFIC_ABOVE_STOCK: "region {subject!r}: {reason}",
 }
 FINDING_KINDS = frozenset(_FINDING_TEXT)
 _WORKSPACE_KINDS = frozenset({WORKSPACE_STOCK_SIZE})  # the rest are about a region

@@ -29,7 +29,7 @@ from cadence_fx.plan import Plan, plan as make_plan
 from cadence_fx.progress import Progress
 from cadence_fx.runtime.audit import Auditor
 from cadence_fx.runtime.backends import CudaGraphBackend
-from cadence_fx.runtime.catalog import Catalog, input_names, program_key
+from cadence_fx.runtime.catalog import Catalog, CatalogMiss, input_names, phase_of, program_key
 from cadence_fx.runtime.clone import NotCopyable, copy_lane
 from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
@@ -115,6 +115,7 @@ class PassesSource:
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
                  state: bool = True) -> None:
+        self._phases = _phases(exported, contract)
         # a region kept in a module buffer becomes one more input and output of every program
         exported, contract, self._buffer_regions = lift_buffer_regions(exported, contract) if state else \
             (list(exported), contract, NO_BUFFER_REGIONS)
@@ -185,7 +186,12 @@ class PassesSource:
     def rewrite(self, index: int, facts: ProgramFacts, tables: CatalogTables) -> tuple[tuple, GraphModule]:
         ep = self._exported[index]
         # ep.module() is a fresh GraphModule over the same parameters and buffers, as the user gets
-        return program_key(ep), run_pipeline(ep.module(), PassContext(self._config, tables, facts))
+        key = program_key(ep) + ((("P", self._phases[index]),) if self._phases is not None else ())
+        try:
+            return key, run_pipeline(ep.module(), PassContext(self._config, tables, facts))
+        except ContractError as e:  # which of the catalog's programs contradicts the contract
+            cls = ", ".join(f"{n}={s.extent}" for n, s in self._sites[index].items())
+            raise ContractError(f"exported program {index} (class {cls or 'with no regions'}): {e}") from None
 
 
 class LaneBuilder:
@@ -272,7 +278,7 @@ class LaneBuilder:
             if site.live and source.state_rule:
                 rekey[self.region_index[name]] = {d: (n, site.shape[d]) for d, n in site.live}
         try:
-            catalog: Catalog[Entry] = Catalog(source.names, entries, rekey=rekey)
+            catalog: Catalog[Entry] = Catalog(source.names, entries, rekey=rekey, phase=phase_rule(source))
         except ValueError as e:
             raise ContractError(str(e)) from None
         for _key, entry in catalog.items():
@@ -283,6 +289,32 @@ class LaneBuilder:
         if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
             stream = torch.cuda.Stream(backend.device, priority=LANE_STREAM_PRIORITY)
         return Lane(index, catalog, store, runners, stream=stream, scratch=list(private.values()))
+
+
+def _phases(exported: Sequence[ExportedProgram], contract: Contract) -> list[int] | None:
+    """Each program's phase (:class:`~cadence_fx.contract.Phase`): its example value's."""
+    if contract.phase is None:
+        return None
+    out = []
+    for i, ep in enumerate(exported):
+        names = input_names(ep)
+        if contract.phase.input not in names:
+            raise ContractError(f"Contract.phase.input: {contract.phase.input!r} names no input; inputs are {names}")
+        if ep.example_inputs is None:
+            raise ContractError(f"Contract.phase: exported program {i} keeps no example inputs, so its phase is unknown")
+        args, kwargs = ep.example_inputs
+        flat = list(args) + [kwargs[n] for n in names[len(args):] if n in kwargs]
+        try:
+            out.append(phase_of(flat, names.index(contract.phase.input), contract.phase.of))
+        except CatalogMiss as e:
+            raise ContractError(f"Contract.phase: exported program {i}: {e}") from None
+    return out
+
+
+def phase_rule(source: "ProgramSource") -> "tuple[int, Any] | None":
+    """The catalog's phase dispatch: the phase input's position and the contract's rule."""
+    phase = source.contract.phase
+    return None if phase is None else (source.names.index(phase.input), phase.of)
 
 
 def envelope_sites(plan: Plan, sites: list[dict[str, RegionSite]], state: bool) -> list[dict[str, RegionSite]]:

@@ -1,4 +1,4 @@
-"""``cadence-fx`` command line: ``cadence-fx plan TARGET``.
+"""``cadence-fx`` command line: ``cadence-fx plan TARGET [--traffic]``.
 
 TARGET is ``demo`` (the demo decoder), ``token2wav`` (the released Token2Wav estimator region,
 needs the upstream package; see cadence_fx.adapters.token2wav), or ``package.module:function``
@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="print extents, bytes, over-reservation and the signature catalog")
     p.add_argument("target")
+    p.add_argument("--traffic", action="store_true",
+                   help="also optimize (no replay) and print the state bytes per call, stock against optimized")
     args = ap.parse_args(argv)
     if args.cmd == "plan":
         from cadence_fx.plan import plan  # deferred: --help answers without importing torch
@@ -68,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             exported, contract = _load(args.target)
             print(plan(exported, contract))
+            if args.traffic:
+                from cadence_fx.plan import format_traffic, state_traffic  # deferred: as above
+                from cadence_fx.program import optimize  # deferred: as above
+
+                print()
+                print(format_traffic(state_traffic(optimize(exported, contract, replay="off"))))
         except (_Usage, UpstreamNotFound, ContractError) as e:
             ap.error(str(e))  # exits 2 with the usage line
     return 0

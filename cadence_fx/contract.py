@@ -99,6 +99,34 @@ Retention = Union[HeadTail, SlidingWindow, Ring]
 
 
 @dataclass(frozen=True)
+class Phase:
+    """Which program of a catalog runs a call when programs share an input signature.
+
+    A step whose code path depends on a position (the first call of a stream, a prefill, a warm
+    start) exports one program per phase, all with the same shapes. ``input`` names a scalar input
+    (a Python int, or an integer tensor of one element: its value is read on the host, a device
+    sync on a GPU) and ``at`` the boundaries: phase 0 takes values below ``at[0]``, phase k values in
+    ``[at[k-1], at[k])``, the last phase the rest. Each program's phase is its example value's (the
+    value it was exported with, ``ep.example_inputs``).
+    """
+
+    input: str
+    at: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.input, str) or not self.input:
+            raise ContractError("Phase.input: must name a scalar input")
+        at = tuple(self.at) if isinstance(self.at, (tuple, list)) else None
+        if not at or any(not _is_int(a) for a in at) or list(at) != sorted(set(at)):
+            raise ContractError(f"Phase.at: a non-empty increasing tuple of ints, got {self.at!r}")
+        object.__setattr__(self, "at", at)
+
+    def of(self, value: int) -> int:
+        """The phase of scalar value ``value``."""
+        return sum(1 for a in self.at if value >= a)
+
+
+@dataclass(frozen=True)
 class Region:
     """One persistent state region of the step.
 
@@ -187,6 +215,7 @@ class Contract:
             captured, keyed and replayed together per call). A graph's launch costs host time that
             grows with its node count; segments at the solver steps of a 10,000-node CFM loop let
             each launch overlap the previous segment's execution.
+        phase: tells apart programs that share an input signature (:class:`Phase`).
     """
 
     clocks: tuple[Clock, ...]
@@ -196,6 +225,7 @@ class Contract:
     hoist_constants: bool = True
     fold_weights: bool = True
     split_at: tuple[str, ...] = ()
+    phase: Phase | None = None
 
     def clock(self, name: str) -> Clock:
         for c in self.clocks:
@@ -240,6 +270,8 @@ class Contract:
                         else f"{where}: duplicate region name")
                 seen[attr][value] = r.name
             self.clock(r.clock)  # raises with the list of clocks
+        if self.phase is not None and not isinstance(self.phase, Phase):
+            raise ContractError(f"Contract.phase: a Phase, got {self.phase!r}")
         for field_name, paths in (("wrap", self.wrap), ("split_at", self.split_at)):
             if isinstance(paths, str):
                 raise ContractError(f"Contract.{field_name}: a tuple of module paths, got the string {paths!r}")

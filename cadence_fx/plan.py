@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -116,7 +116,7 @@ class Plan:
         for r in self.regions:
             lines.append(f"{r.name:<22}{(r.order or 'in place'):<9}{r.retention:<30}{r.attended:>9}{r.envelope:>9}"
                          f"{r.stored:>8}{r.stored_bytes / 2**20:>9.2f}"
-                         + ("  (envelope layout: the history workspace can be the region buffer)"
+                         + ("  (envelope layout: the buffer holds the longest in-flight extent)"
                             if r.layout == "envelope" else ""))
         lines += ["", "static envelope the program allocates vs. contract demand:"]
         for r in self.regions:
@@ -184,6 +184,19 @@ def _view_root_through_blocks(node: Node) -> Node | None:
     return root
 
 
+def _only_appended(ep: ExportedProgram, name: str, axis: int) -> bool:
+    """Whether input ``name``'s one use is a cat along ``axis`` that takes it first (``cat([ctx, new])``)."""
+    ph = next((n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name), None)
+    users = list(ph.users) if ph is not None else []
+    if len(users) != 1 or users[0].target is not torch.ops.aten.cat.default:
+        return False
+    cat = users[0]
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    rank = ph.meta["val"].dim()
+    return len(parts) > 1 and parts[0] is ph and ph not in parts[1:] and dim % rank == axis
+
+
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize  # bool and complex too (iinfo/finfo refuse them)
 
@@ -214,7 +227,11 @@ def plan(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contra
         # the output): store the region in the envelope layout, so that workspace can be the region
         history = _history_workspace(value, site, buffers) if not leading and not isinstance(r.retention, Ring) \
             else None
-        layout = "envelope" if history is not None else "prefix"
+        # a non-leading context the model appends to (a conv's left context ``cat([ctx, x], -1)``): in the
+        # envelope layout the cat of the longest class is the whole buffer, so the append is in place
+        append = not leading and history is None and r.order == "old_new" and not r.live \
+            and _only_appended(ep, r.input, site.axis)
+        layout = "envelope" if history is not None or append else "prefix"
         stored = envelope if leading or layout == "envelope" else attended
         stored_shape = _with(site.shape, site.axis, stored, r.live)
         src = _workspace_of(value) if history is None else history
@@ -260,6 +277,28 @@ def state_traffic(program) -> list[dict]:
                     "regions": {n: dict(v) for n, v in entry.facts.state_bytes.items()},
                     "left_stock": list(entry.facts.left_stock)})
     return out
+
+
+def format_traffic(rows: Sequence[Mapping[str, Any]]) -> str:
+    """:func:`state_traffic`'s rows as the table ``cadence-fx plan --traffic`` prints: per class and
+    region, the bytes one call moves into the outgoing state, stock and optimized, and what the passes
+    did or why they could not."""
+    width = max([len(", ".join(f"{k}={v}" for k, v in row["class"].items())) for row in rows] + [5]) + 2
+    hdr = f"{'class':<{width}}{'region':<22}{'stock B':>10}{'optimized B':>13}  rewrite"
+    lines = ["state traffic per call (bytes moved to build each region's outgoing state)", "", hdr, "-" * len(hdr)]
+    for row in rows:
+        cls = ", ".join(f"{k}={v}" for k, v in row["class"].items())
+        for region, counts in row["regions"].items():
+            stock, opt = counts.get("stock"), counts.get("optimized")
+            notes = [f.reason for f in row["left_stock"] if f.subject == region]
+            how = "; ".join(notes) if notes else ("below stock" if stock is not None and opt is not None and opt < stock
+                                                    else "equal to stock")
+            lines.append(f"{cls:<{width}}{region:<22}{_b(stock):>10}{_b(opt):>13}  {how}")
+    return "\n".join(lines)
+
+
+def _b(n: int | None) -> str:
+    return "?" if n is None else f"{n:,}"
 
 
 def _with(shape: Sequence[int], axis: int, extent: int, live: dict[int, int] | object) -> tuple[int, ...]:

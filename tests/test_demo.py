@@ -67,11 +67,12 @@ def test_carry_append_and_compaction_happen_in_place():
     cfg = DemoConfig()
     _model, contract, eps = _setup(cfg)
     prog = cf.optimize(eps, contract)
-    assert prog.stats["passes"]["carry_writeback"] == len(eps)  # the encoder's cat([cache, new]) each class
+    # each class: the encoder's cat([cache, new]) and the conv's cat([ctx, x], -1) (in the envelope layout)
+    assert prog.stats["passes"]["carry_writeback"] == 2 * len(eps)
     for gm in prog.graph_modules():
-        code = "\n".join(sub.code for sub in gm.modules() if hasattr(sub, "code"))
-        # no cat of the encoder cache input remains: history is never copied, only new frames
-        assert "cat.default([enc_kv" not in code.replace(" ", "")
+        code = "\n".join(sub.code for sub in gm.modules() if hasattr(sub, "code")).replace(" ", "")
+        # no cat of the encoder cache or the conv context remains: history is never copied, only new frames
+        assert "cat.default([enc_kv" not in code and "cat.default([conv" not in code
 
 
 def test_restore_from_snapshot_mid_stream_is_bit_exact():

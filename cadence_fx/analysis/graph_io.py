@@ -66,10 +66,11 @@ def flat_view(graph: Graph, buf: Node, start: int, shape: Sequence[int]) -> Node
 
 
 def shape_of(node: object) -> tuple[int, ...] | None:
-    """The shape export recorded for ``node`` (``meta["val"]``); None for a node without a tensor value."""
+    """The shape export recorded for ``node`` (``meta["val"]``); None for a node without a tensor value,
+    or one whose size depends on data (an unbacked symbol from ``.item()``: no pass may guess it)."""
     val = node.meta.get("val") if isinstance(node, Node) else None
-    if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape)
+    if isinstance(val, torch.Tensor) and all(isinstance(s, int) for s in val.shape):
+        return tuple(val.shape)
     return None
 
 

@@ -19,7 +19,7 @@ from torch.fx import Node
 from cadence_fx.annotations import Finding
 from cadence_fx.artifact.exceptions import ArtifactError
 from cadence_fx.binding import RegionSite
-from cadence_fx.contract import Clock, Contract, HeadTail, Region, Ring, SlidingWindow
+from cadence_fx.contract import Clock, Contract, HeadTail, Phase, Region, Ring, SlidingWindow
 from cadence_fx.passes import ProgramFacts
 from cadence_fx.plan import Plan, RegionPlan
 
@@ -213,6 +213,7 @@ def encode_contract(c: Contract) -> dict[str, Any]:
                      "live": sorted([int(d), int(n)] for d, n in dict(r.live).items())} for r in c.regions],
         "wrap": list(c.wrap), "split_at": list(c.split_at), "admit": c.admit is not None,
         "hoist_constants": c.hoist_constants, "fold_weights": c.fold_weights,
+        "phase": None if c.phase is None else {"input": c.phase.input, "at": list(c.phase.at)},
     }
 
 
@@ -224,7 +225,8 @@ def decode_contract(d: Mapping[str, Any]) -> Contract:
                     for r in d["regions"])
     return Contract(clocks=tuple(Clock(*k) for k in d["clocks"]), regions=regions, wrap=tuple(d["wrap"]),
                     split_at=tuple(d["split_at"]), hoist_constants=d["hoist_constants"],
-                    fold_weights=d["fold_weights"])
+                    fold_weights=d["fold_weights"],
+                    phase=None if d.get("phase") is None else Phase(d["phase"]["input"], tuple(d["phase"]["at"])))
 
 
 def canonical(v: Any) -> str:

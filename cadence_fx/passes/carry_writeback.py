@@ -18,7 +18,7 @@ from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.contract import ContractError, Ring
 from cadence_fx.analysis.boxes import reach
 from cadence_fx.analysis.graph_io import cat_dim, flat_outputs, flat_view, numel, register_tensor, shape_of
-from cadence_fx.analysis.ops import aten, is_view, overload_name
+from cadence_fx.analysis.ops import aten, is_mutating, is_view, overload_name
 from cadence_fx.analysis.traffic import UncountedBytes, state_bytes_written
 from cadence_fx.passes import PassContext, RegionState, log
 
@@ -45,11 +45,18 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
         cats = _cats_on_axis(ph, site.axis)
         if not cats:
             if site.extent > 0 and region.order is not None:
-                hint = "; a Ring the model writes in place declares order=None" if _is_ring(site) else ""
-                raise ContractError(
-                    f"Region {name!r}: the graph never concatenates input {region.input!r} along axis "
-                    f"{site.axis}, but order={region.order!r} is declared; the cache pattern does not match "
-                    f"the declaration{hint}")
+                elsewhere = _cats_on_axis(ph, site.axis, any_axis=True)
+                if elsewhere or _written_in_place(ph):  # the graph says otherwise: a wrong axis, or no cat at all
+                    hint = "; a Ring the model writes in place declares order=None" if _is_ring(site) else ""
+                    found = (f"it concatenates it along axis {cat_dim(elsewhere[0][0])} (node {elsewhere[0][0].name})"
+                             if elsewhere else "it writes it in place")
+                    raise ContractError(
+                        f"Region {name!r}: the graph never concatenates input {region.input!r} along axis "
+                        f"{site.axis}, but order={region.order!r} is declared ({found}); the cache pattern does not "
+                        f"match the declaration{hint}")
+                # read through something else first (a pad, a gather) and concatenated there: nothing to append
+                ctx.program.leave_stock(CAT_NOT_APPEND, name, f"the graph concatenates input {region.input!r} only "
+                                        f"after another op (no view of it is a cat operand)")
             continue
         if region.order is None:
             raise ContractError(
@@ -72,6 +79,10 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         direct = [c for c, pos, _ in cats if c.args[0] and c.args[0][0] is ph and cat_dim(c) == site.axis]
         leading = all(s == 1 for s in site.shape[: site.axis])
+        if region.order == "old_new" and not leading and len(direct) == 1 and not site.live \
+                and site.envelope is not None and _append_in_envelope(gm, ctx, name, site, state, direct[0]):
+            changed += 1
+            continue
         if region.order != "old_new" or not leading or len(direct) != 1 or site.live:
             continue  # the output-side writeback (retention_in_place) still owns the region
         cat = direct[0]
@@ -107,6 +118,38 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
+def _append_in_envelope(gm: GraphModule, ctx: PassContext, name: str, site, state: RegionState, cat: Node) -> bool:
+    """``cat([ctx, new], axis)`` of a region in the envelope layout whose cat is the whole envelope (the
+    class at the longest extent): the state at rest is the envelope's front, so writing ``new`` behind it
+    leaves the very tensor the cat builds (same values, shape and contiguous strides) in the buffer.
+    Returns whether it did (other classes keep their cat: the retention copies their state)."""
+    env = site.envelope
+    if shape_of(cat) != tuple(env):
+        return False
+    graph = gm.graph
+    with graph.inserting_before(cat):
+        buf = graph.get_attr(state.buffer_attr)
+        whole = flat_view(graph, buf, 0, env)
+        offset = site.extent
+        for part in cat.args[0][1:]:
+            length = shape_of(part)[site.axis]
+            dst = graph.call_function(aten.narrow.default, (whole, site.axis, offset, length))
+            graph.call_function(aten.copy_.default, (dst, part))
+            offset += length
+    whole.meta["val"] = cat.meta.get("val")
+    node = buf
+    while node is not cat:  # the writes belong to the wrapped call the cat was part of
+        node.meta.setdefault("nn_module_stack", cat.meta.get("nn_module_stack", {}))
+        node = node.next
+    cat.replace_all_uses_with(whole)
+    if ctx.config.verify:
+        with graph.inserting_before(cat.next):
+            graph.call_function(audit, (auditor_node(gm, ctx.config.auditor), name, "carry append", whole, cat))
+    state.carry = whole
+    state.envelope = whole
+    return True
+
+
 def record_state_bytes(gm: GraphModule, ctx: PassContext, which: str) -> None:
     """Per region, the bytes one call writes to build its outgoing state (``ProgramFacts.state_bytes``);
     None where a value on the way cannot be sized (logged)."""
@@ -126,8 +169,25 @@ def record_state_bytes(gm: GraphModule, ctx: PassContext, which: str) -> None:
         ctx.program.state_bytes.setdefault(name, {})[which] = count
 
 
-def _cats_on_axis(ph: Node, axis: int) -> list[tuple[Node, int, int]]:
-    """Every cat along the (tracked) clock axis that takes a view of ``ph``: (cat, operand index, operands)."""
+def _written_in_place(ph: Node) -> bool:
+    """Whether an in-place op writes ``ph`` or a view of it (a ring's ``index_copy_``, a slice assignment)."""
+    stack, seen = [ph], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u.args and u.args[0] is n and (is_mutating(u) or is_view(u)):
+                if is_mutating(u):
+                    return True
+                stack.append(u)
+    return False
+
+
+def _cats_on_axis(ph: Node, axis: int, *, any_axis: bool = False) -> list[tuple[Node, int, int]]:
+    """Every cat along the (tracked) clock axis that takes a view of ``ph``: (cat, operand index, operands);
+    ``any_axis``: the cats along any axis."""
     found: list[tuple[Node, int, int]] = []
     frontier: list[tuple[Node, int]] = [(ph, axis)]
     seen: set[Node] = set()
@@ -140,7 +200,7 @@ def _cats_on_axis(ph: Node, axis: int) -> list[tuple[Node, int, int]]:
             name = overload_name(user)
             if name == "cat":
                 parts = user.args[0]
-                if cat_dim(user) == ax:
+                if cat_dim(user) == ax or any_axis:
                     found.append((user, parts.index(node), len(parts)))
                 continue
             new_ax = _track_axis(user, node, ax)

@@ -50,15 +50,17 @@ def envelope_state(gm: GraphModule, ctx: PassContext) -> GraphModule:
         if site.envelope is None:
             continue
         state = ctx.program.regions[name]
-        with graph.inserting_before(first):
-            buf = graph.get_attr(state.buffer_attr)
-            state.envelope = flat_view(graph, buf, 0, site.envelope)
-        value = outs[site.region.output % len(outs)]
-        reason = _merge(gm, site, state, value)
-        if reason is None:
-            merged += 1
-        else:
-            ctx.program.leave_stock(HISTORY_WORKSPACE_KEPT, name, reason)
+        if state.envelope is None:
+            with graph.inserting_before(first):
+                buf = graph.get_attr(state.buffer_attr)
+                state.envelope = flat_view(graph, buf, 0, site.envelope)
+            value = outs[site.region.output % len(outs)]
+            reason = _merge(gm, site, state, value)
+            if reason is None:
+                merged += 1
+            elif reason != _NO_WORKSPACE:  # an appended context has no workspace to merge: nothing was kept
+                ctx.program.leave_stock(HISTORY_WORKSPACE_KEPT, name, reason)
+        # else: carry_writeback appended in the envelope already (its cat is the whole buffer)
         stride_bound = [u for u in state.placeholder.users
                         if not is_guard(u) and not _moves_only(u, state.placeholder)]
         if stride_bound:
@@ -73,6 +75,9 @@ def envelope_state(gm: GraphModule, ctx: PassContext) -> GraphModule:
     return gm
 
 
+_NO_WORKSPACE = "the outgoing value is not sliced from one module buffer"
+
+
 def _merge(gm: GraphModule, site: RegionSite, state: RegionState, value: object) -> str | None:
     """Replace the workspace the region's value is sliced from by the envelope view; None when done,
     else why not (nothing is changed then)."""
@@ -82,7 +87,7 @@ def _merge(gm: GraphModule, site: RegionSite, state: RegionState, value: object)
     roots = {view_root(p) for p in parts}
     root = roots.pop() if len(roots) == 1 else None
     if not isinstance(root, Node) or root.op != "get_attr" or is_state_attr(root.target):
-        return "the outgoing value is not sliced from one module buffer"
+        return _NO_WORKSPACE
     tensor = fetch_attr(gm, str(root.target))
     buf = fetch_attr(gm, state.buffer_attr)
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(env) or tensor.dtype != site.dtype \

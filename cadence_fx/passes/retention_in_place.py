@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
-from cadence_fx.annotations import STATE_COPIED, STATE_REPLACED, is_region_attr
+from cadence_fx.annotations import STATE_COPIED, STATE_REPLACED, TRAFFIC_ABOVE_STOCK, is_region_attr
 from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import ContractError, HeadTail, Ring
@@ -64,6 +64,13 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             sources = {state.placeholder} | set(graph.find_nodes(op="get_attr", target=state.buffer_attr))
             growth = ctx.contract.growth(site.region)
             if site.extent > 0 and isinstance(value, Node) and not _depends_on(value, sources, writers):
+                others = [other for other, st in ctx.program.regions.items() if other != name and _depends_on(
+                    value, {st.placeholder} | set(graph.find_nodes(op="get_attr", target=st.buffer_attr)), writers)]
+                if others:  # built from another region's state alone: the declaration swapped two regions
+                    raise ContractError(
+                        f"Region {name!r}: output {site.region.output} is not computed from input "
+                        f"{site.region.input!r} but from region {others[0]!r}'s input alone: check Region.input "
+                        f"and Region.output (swapped with {others[0]!r}'s?)")
                 # the state is replaced whole (the tail of the new input, a class that ignores the old
                 # state): nothing of the old one is kept, so there is nothing to keep in place
                 ctx.program.leave_stock(STATE_REPLACED, name, f"output {site.region.output} is not computed from "
@@ -139,9 +146,27 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             set_flat_output(graph, site.region.output % len(outs), dst)
     graph.eliminate_dead_code()
     record_state_bytes(gm, ctx, "optimized")
+    _report_above_stock(ctx)
     ctx.record("retention_in_place", copies)
     ctx.record("computed_into_region", written_direct)
     return gm
+
+
+def _report_above_stock(ctx: PassContext) -> None:
+    """Say so wherever the rewritten program moves more state bytes per call than the stock one.
+
+    The usual cause: the stock state is a view of a tensor the program allocates anew every call (the
+    cat the model also reads, a slice of the new input), which costs the stock program nothing more,
+    while a buffer at a stable address takes one copy of it."""
+    for name, counts in ctx.program.state_bytes.items():
+        stock, optimized = counts.get("stock"), counts.get("optimized")
+        if stock is None or optimized is None or optimized <= stock:
+            continue
+        why = [f.reason for f in ctx.program.left_stock if f.subject == name]
+        ctx.program.leave_stock(TRAFFIC_ABOVE_STOCK, name, f"{optimized} B of state moved per call against the stock "
+                                f"program's {stock} B (" + ("; ".join(why) if why else
+                                "the stock state is a view of a tensor allocated anew each call; a stable buffer "
+                                "takes one copy of it") + ")")
 
 
 def _compute_into(graph, src: Node, state, site: RegionSite, writers: dict[Node, list[Node]]) -> bool:
@@ -346,7 +371,10 @@ def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
     got = None if slices is None else [(s, e) for _node, _base, s, e in slices]
     bases = {b for _n, b, _s, _e in slices} if slices else set()
     base_ok = len(bases) == 1 and (shape_of(next(iter(bases))) or [0] * (site.axis + 1))[site.axis] == m
-    if got != want or not base_ok:
+    if not base_ok:  # cut from something other than the concatenation of old and new (a tail of the new input)
+        raise NotSlices(f"output {r.output} is cut from a tensor other than the {m}-position concatenation of the "
+                        f"old state and the new positions")
+    if got != want:
         found = f"slices {got} of a {m}-position tensor" if got else f"{overload_name(value) or value.op} {value.name}"
         raise ContractError(
             f"Region {name!r}: retention in the graph does not match {pol!r}: expected to keep "

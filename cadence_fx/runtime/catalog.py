@@ -64,15 +64,20 @@ class Catalog(Generic[V]):
     """
 
     def __init__(self, names: Sequence[str], entries: Sequence[tuple[tuple[ArgKey, ...], V]], *,
-                 rekey: Rekey | None = None) -> None:
+                 rekey: Rekey | None = None, phase: "tuple[int, Callable[[int], int]] | None" = None) -> None:
         self.names = list(names)
+        # (input index, value -> phase): programs of one signature told apart by a scalar input's value
+        self._phase = phase
         self._rekey = {i: dict(d) for i, d in (rekey or {}).items()}
         self._table: dict[tuple[ArgKey, ...], V] = {}
         # positions where some program takes any value of a scalar's type: keyed by type there
         self._by_type = {i for key, _v in entries for i, k in enumerate(key) if k[0] == "S" and len(k) == 2}
         for key, value in entries:
             if key in self._table:
-                raise ValueError(f"two exported programs share the input signature {describe_key(self.names, key)}")
+                hint = (" and the same phase" if phase is not None else
+                        "; if they are phases of one step (a first call, a prefill), declare Contract.phase")
+                raise ValueError(f"two exported programs share the input signature "
+                                 f"{describe_key(self.names, key)}{hint}")
             self._table[key] = value
 
     @classmethod
@@ -95,6 +100,8 @@ class Catalog(Generic[V]):
                     if d < len(shape) and shape[d] == live:
                         shape[d] = stock
                 key[i] = ("T", tuple(shape), key[i][2])
+        if self._phase is not None:
+            key.append(("P", phase_of(args, *self._phase)))
         return tuple(key)
 
     def lookup(self, args: Sequence[Any]) -> V:
@@ -141,6 +148,17 @@ class Catalog(Generic[V]):
         return iter(self._table.values())
 
 
+def phase_of(args: Sequence[Any], index: int, rule: Callable[[int], int]) -> int:
+    """The phase of a call (or an export's example inputs) by the value of its scalar input ``index``."""
+    v = args[index] if index < len(args) else None
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_floating_point and not v.is_complex():
+        return rule(int(v.item()))
+    if isinstance(v, int) and not isinstance(v, bool):
+        return rule(v)
+    raise CatalogMiss(f"the phase input (argument {index}) must be an int or a one-element integer tensor, got "
+                      f"{type(v).__name__}{tuple(v.shape) if isinstance(v, torch.Tensor) else ''}")
+
+
 def differences(names: Sequence[str], got: Sequence[ArgKey], want: Sequence[ArgKey]) -> list[str]:
     """Readable differences between a call's key and a catalog class's key."""
     out = []
@@ -149,6 +167,9 @@ def differences(names: Sequence[str], got: Sequence[ArgKey], want: Sequence[ArgK
     for i, (g, w) in enumerate(zip(got, want)):
         name = repr(names[i]) if i < len(names) else f"#{i}"
         if g == w:
+            continue
+        if g[0] == w[0] == "P":
+            out.append(f"phase {g[1]} (by the phase input's value) where this program is phase {w[1]}")
             continue
         if g[0] != w[0]:
             what = {"T": "a tensor", "S": "a Python value"}
@@ -177,6 +198,9 @@ def describe_key(names: Sequence[str], key: Sequence[ArgKey]) -> str:
     parts = []
     for i, k in enumerate(key):
         name = names[i] if i < len(names) else f"#{i}"
+        if k[0] == "P":
+            parts.append(f"phase {k[1]}")
+            continue
         parts.append(f"{name}: {tuple(k[1])} {k[2]}" if k[0] == "T" else f"{name}: {k[1]}")
     return "(" + ", ".join(parts) + ")"
 
