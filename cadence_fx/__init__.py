@@ -14,6 +14,7 @@ from cadence_fx.export import example_inputs, export_catalog
 from cadence_fx.runtime.weights import WeightsChanged
 from cadence_fx.plan import Plan, call_classes, format_traffic, plan, region_extents, state_traffic
 from cadence_fx.program import OptimizedProgram, optimize
+from cadence_fx.proposal import Proposal, propose_contract
 from cadence_fx.runtime.backends import CudaGraphBackend
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
@@ -26,8 +27,8 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "CudaGraphBackend",
     "HeadTail",
-    "OptimizedProgram", "Phase", "Plan", "Region",
+    "OptimizedProgram", "Phase", "Plan", "Proposal", "Region",
     "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "call_classes",
-    "example_inputs", "export_catalog", "format_traffic", "load", "optimize", "plan", "reference", "region_extents", "save", "state_to", "state_traffic",
+    "example_inputs", "export_catalog", "format_traffic", "load", "optimize", "plan", "propose_contract", "reference", "region_extents", "save", "state_to", "state_traffic",
 ]
 __version__ = "0.1.0"
