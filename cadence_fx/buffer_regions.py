@@ -130,7 +130,7 @@ def _lift(ep: ExportedProgram, contract: Contract) -> tuple[ExportedProgram, tup
     n_args = args_spec.num_leaves if args_spec is not None else 0
     user_specs = [s for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
     other_specs = [s for s in sig.input_specs if s.kind != InputKind.USER_INPUT]
-    lifted_specs, lifted_outs, names, new_regions = [], [], {}, []
+    lifted_specs, lifted_outs, names = [], [], {}
     mutation_specs = {s.target: (i, s) for i, s in enumerate(sig.output_specs) if s.kind == OutputKind.BUFFER_MUTATION}
     dropped_out: set[int] = set()
     for r in buffer_regions:

@@ -19,6 +19,7 @@ from cadence_fx.passes import PassContext
 from cadence_fx.passes.bind_constants import bind_constants
 from cadence_fx.passes.carry_writeback import carry_writeback
 from cadence_fx.passes.cat_into_place import cat_into_place
+from cadence_fx.passes.drop_empty_cat_operands import drop_empty_cat_operands
 from cadence_fx.passes.drop_static_guards import drop_static_guards
 from cadence_fx.passes.envelope_state import envelope_state
 from cadence_fx.passes.hoist_constants import hoist_constants
@@ -35,6 +36,7 @@ PIPELINE = (
     drop_static_guards,   # export's input guard of a static program -> gone (the catalog's exact dispatch implies it)
     inline_grad_regions,  # no_grad blocks inside the model -> plain code (the program never records grad)
     inline_autocast,      # autocast blocks -> the explicit casts autocast makes (the float16 switch)
+    drop_empty_cat_operands,  # cat([torch.tensor([]), x]) -> cat([x]) (torch.cat skips it; the cache is first again)
     hoist_constants,      # host-built constants -> device buffers (before anything copies the graph)
     carry_writeback,      # bind regions to buffers; cat([cache, new]) -> in-place append
     ring_in_place,        # functional ring update (index_copy, scatter, ...) of a region -> in-place write of its buffer

@@ -185,16 +185,25 @@ def _view_root_through_blocks(node: Node) -> Node | None:
 
 
 def _only_appended(ep: ExportedProgram, name: str, axis: int) -> bool:
-    """Whether input ``name``'s one use is a cat along ``axis`` that takes it first (``cat([ctx, new])``)."""
+    """Whether input ``name``'s one use is a cat along ``axis`` that takes it, or a slice of it along the
+    axis, first (``cat([ctx, new])``, ``cat([ctx[..., s:], new])``)."""
     ph = next((n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name), None)
     users = list(ph.users) if ph is not None else []
-    if len(users) != 1 or users[0].target is not torch.ops.aten.cat.default:
+    if len(users) != 1:
+        return False
+    rank = ph.meta["val"].dim()
+    head = ph
+    if users[0].target is torch.ops.aten.slice.Tensor and len(users[0].users) == 1:  # cat([ctx[..., s:], new])
+        sl = users[0]
+        if (sl.args[1] if len(sl.args) > 1 else 0) % rank != axis or (len(sl.args) > 4 and sl.args[4] != 1):
+            return False
+        head, users = sl, list(sl.users)
+    if users[0].target is not torch.ops.aten.cat.default:
         return False
     cat = users[0]
     parts = cat.args[0]
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-    rank = ph.meta["val"].dim()
-    return len(parts) > 1 and parts[0] is ph and ph not in parts[1:] and dim % rank == axis
+    return len(parts) > 1 and parts[0] is head and head not in parts[1:] and dim % rank == axis
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

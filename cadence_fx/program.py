@@ -133,9 +133,10 @@ class OptimizedProgram:
                     flat[i] = self._default.evicted.get(name, t)
             lane.state.forget_returned()
         if self.state_rule:
+            staged = lane.state.stage_crossed({name: flat[self._region_index[name]] for name in entry.sites})
             for name, site in entry.sites.items():
                 i = self._region_index[name]
-                flat[i] = lane.state.adopt(name, flat[i], site)
+                flat[i] = lane.state.adopt(name, staged[name], site)
         self._stats["calls"] += 1
         if self.auditor is not None:
             self.auditor.call += 1

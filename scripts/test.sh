@@ -38,5 +38,11 @@ fi
 if [ ! -d "$UP/torchaudio-2.9.1/torchaudio" ]; then
   "$py" -m pip install -q --no-deps --target "$UP/torchaudio-2.9.1" "torchaudio==2.9.1"
 fi
+# denoiser 0.1.5 (Demucs' streaming denoiser, the corpus's demucs_streamer) without its dependencies:
+# they are for training and live audio (torchaudio pinned to an old torch, hydra, sounddevice);
+# denoiser.demucs imports only torch
+if ! "$py" -c "import denoiser.demucs" >/dev/null 2>&1; then
+  "$py" -m pip install -q --no-deps "denoiser==0.1.5"
+fi
 export CADENCE_FX_UPSTREAM="$UP"
 exec "$py" -m pytest -q "$@"

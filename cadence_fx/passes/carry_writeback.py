@@ -79,6 +79,8 @@ def carry_writeback(gm: GraphModule, ctx: PassContext) -> GraphModule:
             continue
         direct = [c for c, pos, _ in cats if c.args[0] and c.args[0][0] is ph and cat_dim(c) == site.axis]
         leading = all(s == 1 for s in site.shape[: site.axis])
+        if not direct and len(cats) == 1 and cats[0][1] == 0 and _tail_of(cats[0][0].args[0][0], ph, site.axis):
+            direct = [cats[0][0]]  # cat([ctx[..., s:], new]): the kept tail moves to the front, then the append
         if region.order == "old_new" and not leading and len(direct) == 1 and not site.live \
                 and site.envelope is not None and _append_in_envelope(gm, ctx, name, site, state, direct[0]):
             changed += 1
@@ -127,10 +129,21 @@ def _append_in_envelope(gm: GraphModule, ctx: PassContext, name: str, site, stat
     if shape_of(cat) != tuple(env):
         return False
     graph = gm.graph
+    head = cat.args[0][0]
+    start = 0 if head is state.placeholder else _tail_of(head, state.placeholder, site.axis)
+    if start is None or len(head.users) != 1 or len(state.placeholder.users) != 1:
+        return False  # the old state is read elsewhere too: moving its tail first would change what that reads
     with graph.inserting_before(cat):
         buf = graph.get_attr(state.buffer_attr)
         whole = flat_view(graph, buf, 0, env)
-        offset = site.extent
+        offset = site.extent - start
+        # the kept tail to the front, in copies of at most ``start`` positions, front first: each reads
+        # positions no earlier copy wrote (the stock cat copies them once too)
+        for k in range(0, offset if start else 0, start or 1):
+            n = min(start, offset - k)
+            to = graph.call_function(aten.narrow.default, (whole, site.axis, k, n))
+            frm = graph.call_function(aten.narrow.default, (whole, site.axis, start + k, n))
+            graph.call_function(aten.copy_.default, (to, frm))
         for part in cat.args[0][1:]:
             length = shape_of(part)[site.axis]
             dst = graph.call_function(aten.narrow.default, (whole, site.axis, offset, length))
@@ -167,6 +180,24 @@ def record_state_bytes(gm: GraphModule, ctx: PassContext, which: str) -> None:
             log.warning("region %r: the state bytes of the %s program are not counted: %s", name, which, e)
             count = None
         ctx.program.state_bytes.setdefault(name, {})[which] = count
+
+
+def _tail_of(node: object, ph: Node, axis: int) -> int | None:
+    """Where ``node`` starts on ``axis`` when it is ``ph[..., s:]`` (a slice of ``ph`` to its end along the
+    axis, step 1, ``s > 0``); else None."""
+    if not isinstance(node, Node) or node.target is not aten.slice.Tensor or node.args[0] is not ph or node.kwargs:
+        return None
+    rank = len(shape_of(ph) or ())
+    dim = (node.args[1] if len(node.args) > 1 else 0) % max(rank, 1)
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    n = (shape_of(ph) or (0,) * rank)[dim] if rank else 0
+    if dim != axis or step != 1 or not isinstance(start, int) or not (end is None or (isinstance(end, int)
+                                                                                       and end >= n)):
+        return None
+    start = start + n if start < 0 else start
+    return start if 0 < start < n else None
 
 
 def _written_in_place(ph: Node) -> bool:

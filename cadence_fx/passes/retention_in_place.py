@@ -11,29 +11,18 @@ policy for this program's extents; a mismatch is an error naming the region.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.fx import GraphModule, Node
 
 from cadence_fx.annotations import STATE_COPIED, STATE_REPLACED, TRAFFIC_ABOVE_STOCK, is_region_attr
 from cadence_fx.runtime.audit import audit, auditor_node
 from cadence_fx.binding import RegionSite
-from cadence_fx.contract import ContractError, HeadTail, Ring
 from cadence_fx.analysis.aliases import view_root, written_in_place
-from cadence_fx.analysis.graph_io import cat_dim, flat_outputs, flat_view, numel, set_flat_output, shape_of
+from cadence_fx.analysis.graph_io import flat_outputs, flat_view, numel, set_flat_output
+from cadence_fx.analysis.retained import NotSlices, Part, retained_parts, whole_part
 from cadence_fx.analysis.ops import aten, is_mutating, is_view, overload_name
 from cadence_fx.passes import PassContext
 from cadence_fx.passes.carry_writeback import record_state_bytes
-
-
-@dataclass
-class _Part:
-    src: Node
-    dst_offset: int
-    length: int
-    src_offset: int | None  # offset of src along the axis inside its base, when src is a slice of it
-    base: Node
 
 
 def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -64,13 +53,6 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
             sources = {state.placeholder} | set(graph.find_nodes(op="get_attr", target=state.buffer_attr))
             growth = ctx.contract.growth(site.region)
             if site.extent > 0 and isinstance(value, Node) and not _depends_on(value, sources, writers):
-                others = [other for other, st in ctx.program.regions.items() if other != name and _depends_on(
-                    value, {st.placeholder} | set(graph.find_nodes(op="get_attr", target=st.buffer_attr)), writers)]
-                if others:  # built from another region's state alone: the declaration swapped two regions
-                    raise ContractError(
-                        f"Region {name!r}: output {site.region.output} is not computed from input "
-                        f"{site.region.input!r} but from region {others[0]!r}'s input alone: check Region.input "
-                        f"and Region.output (swapped with {others[0]!r}'s?)")
                 # the state is replaced whole (the tail of the new input, a class that ignores the old
                 # state): nothing of the old one is kept, so there is nothing to keep in place
                 ctx.program.leave_stock(STATE_REPLACED, name, f"output {site.region.output} is not computed from "
@@ -82,7 +64,7 @@ def retention_in_place(gm: GraphModule, ctx: PassContext) -> GraphModule:
                 except NotSlices as e:
                     ctx.program.leave_stock(STATE_COPIED, name, str(e))
                     parts = [whole_part(value, site, growth)]
-            staged: list[tuple[_Part, Node]] = []
+            staged: list[tuple[Part, Node]] = []
             for p in parts:
                 # the input itself, or the input written in place (a ring's index_copy_/scatter_, a slice
                 # assignment): the bytes are already in the region buffer the input is a view of
@@ -243,7 +225,7 @@ def _out_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
 _MAX_SHIFT_COPIES = 16
 
 
-def _shift_in_place(p: _Part, site: RegionSite, state) -> bool:
+def _shift_in_place(p: Part, site: RegionSite, state) -> bool:
     """Whether part ``p`` is a slice of the region's own in-place carry moved toward the buffer front
     along an outermost clock axis (flat offsets are positions x inner size), or a slice of the envelope
     moved toward its front along the clock axis, in few enough copies."""
@@ -315,111 +297,3 @@ def _depends_on(value: Node, sources: set[Node], writers: dict[Node, list[Node]]
         if root is not None:
             stack.extend(writers.get(root, ()))
     return False
-
-
-class NotSlices(Exception):
-    """The outgoing state is computed, not cut from one tensor: the positions it keeps are not in the graph."""
-
-
-def whole_part(value: object, site: RegionSite, growth: int) -> _Part:
-    """The whole outgoing state as one part (copied into the buffer once), after checking its extent
-    against the policy: the only thing of the retention a computed or replaced state shows."""
-    r = site.region
-    if not isinstance(value, Node) or shape_of(value) is None:
-        raise ContractError(f"Region {r.name!r}: output {r.output} is not a tensor computed by the graph")
-    m = site.extent + growth
-    expect = r.retention.capacity if isinstance(r.retention, Ring) else r.retention.apply(m)
-    if site.out_extent != expect:
-        raise ContractError(
-            f"Region {r.name!r}: the program returns {site.out_extent} positions on axis {site.axis} for an "
-            f"input of {site.extent} (+{growth} per call = {m}), but {r.retention!r} keeps {expect}; the graph's "
-            "retention does not match the declaration")
-    return _Part(value, 0, expect, 0, value)
-
-
-def retained_parts(value: object, site: RegionSite, growth: int) -> list[_Part]:
-    """Decompose the outgoing state into slices of one source, checking them against the policy."""
-    r = site.region
-    pol = r.retention
-    name = r.name
-    if not isinstance(value, Node) or shape_of(value) is None:
-        raise ContractError(f"Region {name!r}: output {r.output} is not a tensor computed by the graph")
-    m = site.extent + growth
-    expect = pol.capacity if isinstance(pol, Ring) else pol.apply(m)
-    if site.out_extent != expect:
-        raise ContractError(
-            f"Region {name!r}: the program returns {site.out_extent} positions on axis {site.axis} for an "
-            f"input of {site.extent} (+{growth} per call = {m}), but {pol!r} keeps {expect}; the graph's "
-            "retention does not match the declaration")
-    trims = not isinstance(pol, Ring) and m > pol.bound()
-    if trims and _as_slices(value, site.axis) is None:
-        raise NotSlices(f"output {r.output} ({overload_name(value) or value.op} {value.name}) is not slices of one "
-                        f"tensor along axis {site.axis}, so which positions it keeps cannot be read off the graph")
-    if not trims:
-        # the whole value; when it is a slice of a larger tensor (``kv[-W:]`` while kv is still shorter
-        # than W), name that tensor and offset, so a slice of the in-place carry is seen to be in place
-        whole = _as_slices(value, site.axis)
-        if whole is not None and len(whole) == 1 and whole[0][3] - whole[0][2] == expect:
-            node, base, start, _end = whole[0]
-            return [_Part(node, 0, expect, start, base)]
-        return [_Part(value, 0, expect, 0, value)]
-    slices = _as_slices(value, site.axis)
-    want = ([(0, pol.head), (m - pol.tail, m)] if isinstance(pol, HeadTail) else [(m - pol.size, m)])
-    want = [w for w in want if w[1] > w[0]]
-    if slices is not None:
-        slices = [sl for sl in slices if sl[3] > sl[2]]  # an empty head or tail keeps nothing
-    got = None if slices is None else [(s, e) for _node, _base, s, e in slices]
-    bases = {b for _n, b, _s, _e in slices} if slices else set()
-    base_ok = len(bases) == 1 and (shape_of(next(iter(bases))) or [0] * (site.axis + 1))[site.axis] == m
-    if not base_ok:  # cut from something other than the concatenation of old and new (a tail of the new input)
-        raise NotSlices(f"output {r.output} is cut from a tensor other than the {m}-position concatenation of the "
-                        f"old state and the new positions")
-    if got != want:
-        found = f"slices {got} of a {m}-position tensor" if got else f"{overload_name(value) or value.op} {value.name}"
-        raise ContractError(
-            f"Region {name!r}: retention in the graph does not match {pol!r}: expected to keep "
-            f"{want} of {m} positions on axis {site.axis}, found {found}")
-    parts, offset = [], 0
-    for node, base, s, e in slices:
-        parts.append(_Part(node, offset, e - s, s, base))
-        offset += e - s
-    return parts
-
-
-def _as_slices(value: Node, axis: int) -> list[tuple[Node, Node, int, int]] | None:
-    """``value`` as [(slice node, base, start, end)] along ``axis``: a cat of slices or a single slice."""
-    items = value.args[0] if overload_name(value) == "cat" and cat_dim(value) == axis else [value]
-    out = []
-    for it in items:
-        name = overload_name(it) if isinstance(it, Node) else ""
-        if name not in ("slice", "narrow"):
-            return None
-        base = it.args[0]
-        rank = len(shape_of(base) or ())
-        dim = (it.args[1] if len(it.args) > 1 else 0) % max(rank, 1)
-        n = (shape_of(base) or [0] * rank)[dim] if rank else 0
-        if name == "narrow":
-            start, length = it.args[2], it.args[3]
-            if not isinstance(start, int) or not isinstance(length, int):
-                return None
-            start = _norm(start, n)
-            end, step = start + length, 1
-        else:
-            start = it.args[2] if len(it.args) > 2 else 0
-            end = it.args[3] if len(it.args) > 3 else n
-            step = it.args[4] if len(it.args) > 4 else 1
-            if not isinstance(start, (int, type(None))) or not isinstance(end, (int, type(None))):
-                return None
-            start, end = _norm(start, n), _norm(end if end is not None else n, n)
-        if dim != axis or step != 1:
-            return None
-        out.append((it, base, start, end))
-    return out
-
-
-def _norm(i: int | None, n: int) -> int:
-    if i is None:
-        return 0
-    if i < 0:
-        i += n
-    return max(0, min(i, n))

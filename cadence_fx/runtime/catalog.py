@@ -213,18 +213,29 @@ def _distance(got: Sequence[ArgKey], want: Sequence[ArgKey]) -> int:
     return total
 
 
+def _keyword_names(ep: ExportedProgram) -> list[str]:
+    """The keywords ``ep`` was exported with, in calling order (its inputs after the positional ones)."""
+    spec = ep.call_spec.in_spec
+    if spec is None or spec.num_children != 2:
+        return []
+    kwargs = spec.child(1)
+    return list(kwargs.context) if kwargs.context else []
+
+
 def reference(eps: ExportedProgram | Sequence[ExportedProgram]) -> Callable[..., Any]:
     """The unmodified programs behind one callable: ``ep.module()`` of the matching signature, run
     under ``no_grad`` as an inference step runs (the baseline every optimized output is compared with)."""
     eps = [eps] if isinstance(eps, ExportedProgram) else list(eps)
-    cat = Catalog.of_programs(eps, lambda ep: ep.module())
+    cat = Catalog.of_programs(eps, lambda ep: (ep.module(), _keyword_names(ep)))
 
     def call(*args: Any, **kwargs: Any) -> Any:
         flat = list(args) + [kwargs.pop(n) for n in cat.names[len(args):] if n in kwargs]
         if kwargs:
             raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}; inputs are {cat.names}")
+        mod, keywords = cat.lookup(flat)
+        n = len(flat) - len(keywords)  # a program exported with keyword inputs takes them by keyword
         with torch.no_grad():
-            return cat.lookup(flat)(*flat)
+            return mod(*flat[:n], **dict(zip(keywords, flat[n:])))
 
     call.catalog = cat  # type: ignore[attr-defined]
     return call

@@ -89,6 +89,17 @@ class StateStore:
         self.counts.adopted += 1
         return copy_into(buf, name, src, site)
 
+    def stage_crossed(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """``args`` (region name -> the tensor fed as its state) with every tensor that lives in *another*
+        region's buffer of this store cloned first: adopting one region copies into its buffer, which
+        another region's input may be a view of (a state fed to the wrong region, two outputs swapped)."""
+        ptrs = {b.untyped_storage().data_ptr(): n for n, b in self._buffers.items()}
+        out = dict(args)
+        for name, arg in args.items():
+            if isinstance(arg, torch.Tensor) and ptrs.get(arg.untyped_storage().data_ptr(), name) != name:
+                out[name] = arg.clone()
+        return out
+
     def trusted_view(self, name: str, site: RegionSite) -> torch.Tensor:
         """A view of the buffer as the state input of ``site``, accepted in place (warm-up's inputs)."""
         view = site.state_view(self._buffers[name], site.live_shape)
