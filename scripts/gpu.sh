@@ -11,11 +11,14 @@
 #   MOSHI_FLAGS="--memory-peak $OUT/moshi-peak.txt" FRAMES=100 scripts/gpu.sh moshi SR,vendor   what each peak holds
 #   scripts/gpu.sh cold [--chunks 4]   cold start: export, optimize, save, then load + capture + first chunk
 #                                      in a fresh process (benchmarks/cold_start.py), about 3 minutes
+#   scripts/gpu.sh code2wav --cells stock,stockb,buckets,cadence --chunks 20   Qwen3-Omni's Code2Wav at released
+#                                  sizes, each cell in a fresh process (benchmarks/code2wav.py; needs transformers
+#                                  5.24 and what it imports: their wheels in .whl/); _bf16 cells: bfloat16
 #   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 44/84,88 --pack --lanes 8 --warm-seconds 5 \
 #       --time-budget 530   the same on one GPU and on two (nvidia-h200-x2), one process per GPU, a warm stream
 #                           first, each one-GPU N twice side by side (--pack pairs only rows of the same N)
 # Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run),
-# cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log.
+# cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log, code2wav.json, code2wav-rows.jsonl, code2wav.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # once per machine: queues started side by side must not install into one folder at the same time
@@ -39,6 +42,8 @@ case "${1:-}" in
   cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" --rows "$OUT/cadence-rows.jsonl" "$@" 2>&1 \
              | tee -a "$OUT/cadence.log" ;;
   cold) shift; python3 benchmarks/cold_start.py --json "$OUT/cold_start.json" "$@" 2>&1 | tee -a "$OUT/cold_start.log" ;;
-  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | cold [flags]" >&2
+  code2wav) shift; python3 benchmarks/code2wav.py --json "$OUT/code2wav.json" --rows "$OUT/code2wav-rows.jsonl" "$@" 2>&1 \
+              | tee -a "$OUT/code2wav.log" ;;
+  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags]" >&2
      exit 2 ;;
 esac
