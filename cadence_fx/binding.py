@@ -64,6 +64,15 @@ class RegionSite:
         return buf[: math.prod(env)].view(env).narrow(self.axis, 0, shape[self.axis])
 
     @property
+    def output(self) -> int:
+        """The index of the program output that carries the region out (a module-buffer region has one
+        too by the time it is bound: :mod:`cadence_fx.buffer_regions` lifts it into an output first)."""
+        out = self.region.output
+        if out is None:
+            raise ContractError(f"Region {self.region.name!r}: a module-buffer region bound before it was lifted")
+        return out
+
+    @property
     def extent(self) -> int:
         return self.shape[self.axis]
 

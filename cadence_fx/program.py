@@ -147,7 +147,7 @@ class OptimizedProgram:
         if self.state_rule:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for name, site in entry.sites.items():
-                lane.state.returned(name, outs[site.region.output])
+                lane.state.returned(name, outs[site.output])
         return out
 
     def _undo_views(self, lane: Lane) -> dict[str, torch.Tensor]:

@@ -119,7 +119,7 @@ class Session:
             # until then, the lane's are scratch for this call
             state_outs, dsts, srcs, returned = set(), [], [], {}
             for name, site in entry.sites.items():
-                j = site.region.output
+                j = site.output
                 view, src = state_target(self._buffers[name], name, outs[j], site, layout=False)
                 dsts.append(view)
                 srcs.append(src)
