@@ -447,3 +447,142 @@ def test_window_and_chunk_sizes_are_recovered(chunk, extra, initial):
     want = contract(cf.Region("cache", input="cache", output=1, clock="frame", axis=1, order="old_new",
                               retention=cf.SlidingWindow(window), initial=initial), stride=chunk)
     assert cf.propose_contract(step, stream).contract == want
+
+
+# --- states that reach their cat through other ops, or never concatenated ---------------------------------------
+
+
+class PadThenCat(torch.nn.Module):
+    """Emformer's caches: passed at their filled extent, zero-padded to a fixed size, then concatenated
+    (``cat([pad(cache), new])``, the state itself never a cat operand until it is full) and cut back."""
+
+    def __init__(self, window: int = 6):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+        self.window = window
+
+    def forward(self, x, cache):
+        n = cache.shape[1]
+        full = torch.nn.functional.pad(cache, (0, 0, self.window - n, 0)) if n < self.window else cache
+        kv = torch.cat([full, self.proj(x)], 1)[:, -self.window:]
+        return attend(x, kv), kv[:, -min(self.window, n + x.shape[1]):]
+
+
+class RebuiltCache(torch.nn.Module):
+    """transformers' ``DynamicCache`` rebuilt from tensors: ``cat([torch.tensor([]), kv])`` (a legacy-empty
+    operand torch.cat skips), a cut, then ``cat([kv, new])`` and the window."""
+
+    def __init__(self, window: int = 6):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+        self.window = window
+
+    def forward(self, x, cache):
+        kv = torch.cat([torch.tensor([]), cache], -2)[:, -self.window:]
+        kv = torch.cat([kv, self.proj(x)], -2)
+        return attend(x, kv), kv[:, -self.window:]
+
+
+class FirstFrameContext(torch.nn.Module):
+    """DemucsStreamer's conv state: none before the first frame (an empty input the first call's graph
+    never reads), then a conv's context ``cat([ctx[..., 2:], new])`` and an overlap replaced whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+
+    def forward(self, x, ctx, overlap):
+        new = self.proj(x).transpose(1, 2)  # (1, D, 2)
+        ctx = new.repeat(1, 1, 3) if ctx.shape[-1] == 0 else torch.cat([ctx[..., 2:], new], -1)
+        y = ctx.mean(-1, keepdim=True) + new
+        if overlap.shape[-1]:
+            y = y + overlap
+        return y.transpose(1, 2), ctx, new * 0.5
+
+
+class GrownInPlace(torch.nn.Module):
+    """A history grown with no cat at all: padded by the chunk, the new frames written into the pad."""
+
+    def __init__(self, window: int = 6):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+        self.window = window
+
+    def forward(self, x, cache):
+        grown = torch.nn.functional.pad(cache, (0, 0, 0, x.shape[1]))
+        grown[:, -x.shape[1]:] = self.proj(x)
+        return attend(x, grown), grown[:, -self.window:]
+
+
+def _says(p: cf.Proposal, name: str, *words: str) -> None:
+    assert any(all(w in s for w in words) for s in p.evidence[name]), (words, p.evidence[name])
+
+
+@pytest.mark.parametrize("make, initial, through", [
+    (PadThenCat, 0, ("'cat", "reached through aten.pad", "output is cut from it")),
+    (RebuiltCache, 4, ("operand 0 of 2", "aten.cat of it alone, aten.slice")),
+    (GrownInPlace, 2, ("order 'old_new' (chosen)", "never concatenates")),
+])
+def test_state_reaching_its_cat_through_other_ops(make, initial, through):
+    torch.manual_seed(9)
+    step = make().eval()
+    fresh = frames(2, seed=9)
+    stream = record(step, {"cache": torch.randn(1, initial, D)}, {"cache": 1}, fresh)
+    want = contract(_region("cache", 1, "old_new", cf.SlidingWindow(6), initial), stride=2)
+    p = proposed(step, stream, want)
+    _says(p, "cache", "order 'old_new'", *through)
+    _says(p, "cache", "growth 2 a call", "extents" if make is GrownInPlace else "read off the graph")
+    drive_exact(step, want, stream, {"cache": 1}, fresh)
+
+
+def test_state_empty_before_the_first_call_is_a_ring_from_empty():
+    torch.manual_seed(10)
+    step = FirstFrameContext().eval()
+    fresh = frames(2, seed=10)
+    state = {"ctx": torch.zeros(1, D, 0), "overlap": torch.zeros(1, D, 0)}
+    stream = record(step, state, {"ctx": 1, "overlap": 2}, fresh)
+    want = contract(cf.Region("ctx", input="ctx", output=1, clock="frame", axis=2, order="old_new",
+                              retention=cf.Ring(6), initial=0),
+                    cf.Region("overlap", input="overlap", output=2, clock="frame", axis=2, order=None,
+                              retention=cf.Ring(2), initial=0), stride=2)
+    p = proposed(step, stream, want)
+    _says(p, "ctx", "empty", "exported on calls[1]")
+    _says(p, "ctx", "Ring(capacity=6)", "empty at the first call", "last 6 positions")
+    _says(p, "overlap", "Ring(2), order None", "empty at the first call")
+    drive_exact(step, want, stream, {"ctx": 1, "overlap": 2}, fresh)
+
+
+class ObjectHeldCache(torch.nn.Module):
+    """transformers' ``TorchExportableModuleWithStaticCache``: ``forward(x=None, embeds=None, pos=None)``
+    called by keyword, its cache a module buffer the step reaches through a plain object holding it
+    (``StaticCache.layers[i].keys``), which a non-strict export lifts as a constant."""
+
+    def __init__(self, capacity: int = 8):
+        super().__init__()
+        self.proj = torch.nn.Linear(D, D)
+        self.store = type("Layer", (), {})()
+        self.store.kv = torch.zeros(1, capacity, D)
+        self.register_buffer("kv", self.store.kv, persistent=False)
+
+    def forward(self, x=None, embeds=None, pos=None):
+        self.store.kv.index_copy_(1, pos, self.proj(x))
+        return attend(x, self.store.kv)
+
+
+def test_keyword_calls_and_a_buffer_held_through_an_object():
+    torch.manual_seed(11)
+    step = ObjectHeldCache().eval()
+    fresh = lambda k: {"x": torch.randn(1, 2, D), "pos": (torch.arange(2) + 2 * k) % 8}  # noqa: E731
+    stream = []
+    with torch.no_grad():
+        driver = copy.deepcopy(step)  # the step itself stays at the stream's start
+        for k in range(6):
+            stream.append(fresh(k))
+            driver(**{n: v.clone() for n, v in stream[-1].items()})
+    want = contract(cf.Region(**dict(BUFFER, name="kv", input="kv")), stride=2)
+    p = proposed(step, stream, want)
+    assert "by keyword" in p.notes[0] and any("strict=True" in n for n in p.notes), p.notes
+    assert step.kv.is_leaf and not step.kv.requires_grad and step.store.kv is step.kv
+    assert torch.equal(step.kv, torch.zeros(1, 8, D))
+    drive_exact(step, want, stream, {}, fresh,
+                export=lambda m, _c, example: [torch.export.export(m, (), dict(example), strict=True)])

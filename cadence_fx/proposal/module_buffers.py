@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from cadence_fx.contract import Ring
-from cadence_fx.proposal.graph_facts import WriteFact
+from cadence_fx.proposal.graph_facts import WriteFact, placeholder, writes_of
 from cadence_fx.proposal.observe import changed_positions
 
 
@@ -63,4 +65,24 @@ def buffer_region(fqn: str, ph: Node, writes: Sequence[WriteFact], carried: bool
               f"values over the eager replay, positions changed per call: {shown}"
               f"{'; ...' if len(changed) > 4 else ''}"
               + (f"; more positions than the writes name changed at calls {over}" if over else ""))
+    still = [k for k, ch in enumerate(changed) if not ch]
+    if growth and still:
+        ev.append(f"no position of it changed at calls {still}: the buffer held the written values already (were "
+                  "the calls recorded on this very step? Its buffers must be as they were at the stream's first "
+                  "call; record on a copy of the step); the values confirm nothing there")
     return BufferRegion(fqn, axis, int(shape[axis]), growth), ev
+
+
+def lifted_buffers(ep: ExportedProgram, step: torch.nn.Module) -> dict[str, str]:
+    """Module buffers of ``step`` that ``ep`` took as lifted constants and writes (placeholder -> buffer
+    name): a non-strict trace reaches them through an object and does not see they are the buffers."""
+    own = {id(b): name for name, b in step.named_buffers(remove_duplicate=False)}
+    found = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind != InputKind.CONSTANT_TENSOR or spec.target is None:
+            continue
+        fqn = own.get(id(ep.constants.get(spec.target)))
+        ph = placeholder(ep, spec.arg.name)
+        if fqn is not None and ph is not None and writes_of(ep, ph):
+            found[spec.arg.name] = fqn
+    return found

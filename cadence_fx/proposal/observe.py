@@ -44,10 +44,16 @@ class Stream:
     outputs: list[list[Any]] = field(default_factory=list)
     cats: list[dict[int, list[SeenCat]]] = field(default_factory=list)  # per call: input index -> cats
     buffers: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # fqn -> value before each call, then after
+    by_keyword: bool = False  # the step is called with the inputs by name (as recorded), not by position
 
     @property
     def calls(self) -> int:
         return len(self.inputs)
+
+    def call(self, k: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Call ``k``'s inputs, cloned, as (args, kwargs) for the step (and ``torch.export.export``)."""
+        values = clone_args(self.inputs[k])
+        return ((), dict(zip(self.keys, values))) if self.by_keyword else (tuple(values), {})
 
 
 def normalize_calls(step: torch.nn.Module, calls: Sequence[Mapping[str, Any] | Sequence[Any]]) -> Stream:
@@ -62,7 +68,8 @@ def normalize_calls(step: torch.nn.Module, calls: Sequence[Mapping[str, Any] | S
         for k, c in enumerate(calls):
             if list(c) != keys:
                 raise ValueError(f"propose_contract: call {k} has inputs {list(c)}, call 0 has {keys}")
-        return Stream(keys, [list(c.values()) for c in calls if isinstance(c, Mapping)])
+        return Stream(keys, [list(c.values()) for c in calls if isinstance(c, Mapping)],
+                      by_keyword=_by_keyword(step, keys))
     if any(isinstance(c, Mapping) for c in calls):
         raise ValueError("propose_contract: calls mix dicts and tuples; record every call the same way")
     n = len(calls[0])
@@ -81,6 +88,19 @@ def _parameter_names(step: torch.nn.Module, n: int) -> list[str]:
     return params[:n] + [f"args_{i}" for i in range(len(params), n)]
 
 
+def _by_keyword(step: torch.nn.Module, keys: list[str]) -> bool:
+    """Whether dict calls must be made by keyword: their keys are ``forward``'s parameter names but not its
+    first positional ones in order (``forward(input_ids=None, inputs_embeds=None, cache_position=None)``
+    recorded as ``{"input_ids": ..., "cache_position": ...}``)."""
+    try:
+        params = list(inspect.signature(step.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return set(keys) <= named and keys != positional[:len(keys)]
+
+
 def clone_args(values: Sequence[Any]) -> list[Any]:
     return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
 
@@ -97,7 +117,11 @@ class _CatWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func in _CATS and isinstance(result, torch.Tensor):
-            parts = list(args[0] if args else kwargs.get("tensors", ()))
+            # a legacy-empty operand (``torch.tensor([])``) is skipped by torch.cat; a cat of one is a copy
+            parts = [t for t in (args[0] if args else kwargs.get("tensors", ()))
+                     if not (isinstance(t, torch.Tensor) and t.shape == (0,))]
+            if len(parts) < 2:
+                return result
             dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
             dim = dim % result.dim() if result.dim() else 0
             for i, state in self.tracked.items():
@@ -122,11 +146,20 @@ def buffers_kept(step: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     put back as they were on exit, whatever happened inside."""
     own = dict(step.named_buffers(remove_duplicate=False))
     saved = {name: b.detach().clone() for name, b in own.items()}
+    leaves = {name for name, b in own.items() if b.is_leaf and not b.requires_grad}
     try:
         yield own
     finally:
         with torch.no_grad():
             for name, b in own.items():
+                if name in leaves and not (b.is_leaf and not b.requires_grad):
+                    # a non-strict export that wrote a buffer it lifted as a constant leaves it with autograd
+                    # history (a deepcopy of a program holding it then fails): a plain tensor again
+                    try:
+                        b.detach_()
+                        b.requires_grad_(False)
+                    except RuntimeError:  # a view: its base carries the history; the values are put back below
+                        pass
                 b.copy_(saved[name])
 
 
@@ -135,14 +168,15 @@ def replay(step: torch.nn.Module, stream: Stream, watched: Sequence[int], buffer
     module buffers ``buffers``; the step's buffers are restored afterwards."""
     with buffers_kept(step) as own, torch.no_grad():
         buffers = [fqn for fqn in buffers if fqn in own]
-        for k, values in enumerate(stream.inputs):
+        for k in range(stream.calls):
             for fqn in buffers:
                 stream.buffers.setdefault(fqn, []).append(own[fqn].detach().clone())
-            args = clone_args(values)
-            watch = _CatWatch({i: args[i] for i in watched if isinstance(args[i], torch.Tensor)})
+            args, kwargs = stream.call(k)
+            given = list(args) + list(kwargs.values())
+            watch = _CatWatch({i: given[i] for i in watched if isinstance(given[i], torch.Tensor)})
             try:
                 with watch:
-                    out = step(*args)
+                    out = step(*args, **kwargs)
             except Exception as e:
                 raise ContractError(f"propose_contract: the eager step raised at call {k}: "
                                     f"{type(e).__name__}: {e}") from e

@@ -19,9 +19,9 @@ from torch.export import ExportedProgram
 from cadence_fx.binding import input_names
 from cadence_fx.contract import WHOLE_STEP, Clock, Contract, ContractError, Region
 from cadence_fx.plan import call_classes, region_extents
-from cadence_fx.proposal.graph_facts import cats_of, mutated_buffers, placeholder, writes_of
-from cadence_fx.proposal.module_buffers import BufferRegion, buffer_region
-from cadence_fx.proposal.observe import Stream, buffers_kept, clone_args, fed_back, normalize_calls, replay
+from cadence_fx.proposal.graph_facts import cats_of, mutated_buffers, node_named, placeholder, writes_of
+from cadence_fx.proposal.module_buffers import BufferRegion, buffer_region, lifted_buffers
+from cadence_fx.proposal.observe import Stream, buffers_kept, fed_back, normalize_calls, replay
 from cadence_fx.proposal.render import region_fields, render_code, render_evidence
 from cadence_fx.proposal.retention import Derived, Seen, derive_region
 
@@ -60,7 +60,8 @@ def propose_contract(step: torch.nn.Module, calls: Sequence[Call], *, clock: str
     """Propose a native-clock contract for ``step`` from a stream recorded with it.
 
     ``calls``: at least 3 calls of a real stream, each a dict (input name -> value, in ``forward``'s
-    order) or a tuple (positional), in which the driver fed each call's state outputs back as the
+    order; passed by keyword, and exported with ``kwargs=``, where the names skip some of its
+    parameters) or a tuple (positional), in which the driver fed each call's state outputs back as the
     next call's state inputs (record clones if the step writes its inputs in place). The step's
     module buffers must be as they were at the first call; they are restored when this returns.
 
@@ -82,13 +83,14 @@ def propose_contract(step: torch.nn.Module, calls: Sequence[Call], *, clock: str
         eps = cf.export_catalog(step, proposal.contract, calls[0])
     """
     stream = normalize_calls(step, calls)
-    ep = _export(step, stream)
+    notes = [f"{stream.calls} calls observed; the step was exported on calls[0] and run eagerly on every "
+             "call (under torch.no_grad, on clones of the recorded inputs"
+             f"{', by keyword' if stream.by_keyword else ''})"]
+    ep = _export(step, stream, 0, notes)
     names = input_names(ep)
     if len(names) != len(stream.keys):
         raise ContractError(f"propose_contract: the exported program has inputs {names}, the calls have "
                             f"{len(stream.keys)} ({stream.keys})")
-    notes = [f"{stream.calls} calls observed; the step was exported once, on calls[0], and run eagerly on every "
-             "call (under torch.no_grad, on clones of the recorded inputs)"]
     if stream.keys != names:
         notes.append(f"the calls name the inputs {stream.keys}; the exported program names them {names}, which the "
                      "contract uses (key the example passed to cf.export_catalog by them)")
@@ -102,10 +104,12 @@ def propose_contract(step: torch.nn.Module, calls: Sequence[Call], *, clock: str
         notes.append(f"inputs {fresh} are fresh every call (no output of the previous call has their shape and "
                      "dtype): not state")
     derived: dict[str, tuple[int, Derived]] = {}
+    later: dict[int, ExportedProgram] = {}  # programs exported on a later call, by call
     for f in found:
         name = names[f.input]
-        derived[name] = (f.output, _derive(ep, stream, name, f.input, f.output))
-        evidence[name] = [_fed_sentence(name, f.output, f.also, stream.calls)] + list(derived[name][1].evidence)
+        graph, said = _graph_of(step, stream, ep, later, name, f.input, notes)
+        derived[name] = (f.output, _derive(graph, stream, name, f.input, f.output))
+        evidence[name] = [_fed_sentence(name, f.output, f.also, stream.calls)] + said + list(derived[name][1].evidence)
     evidence.update({names[i]: [why] for i, why in not_fed.items()})
     held: dict[str, BufferRegion] = {}
     for fqn, (ph, writes, carried) in buffers.items():
@@ -121,21 +125,64 @@ def propose_contract(step: torch.nn.Module, calls: Sequence[Call], *, clock: str
     return Proposal(contract, evidence, tuple(notes), tuple(pending))
 
 
-def _export(step: torch.nn.Module, stream: Stream) -> ExportedProgram:
+def _export(step: torch.nn.Module, stream: Stream, k: int, notes: list[str]) -> ExportedProgram:
+    """The step exported on call ``k`` (keyword inputs as ``kwargs=``); again with ``strict=True`` where the
+    non-strict trace lifted module buffers the graph writes as constants (a buffer the step reaches through
+    an object, transformers' ``StaticCache.layers[i].keys``, not through its module path)."""
     # export traces with fake tensors; the buffers are kept as found even where it would not
     with buffers_kept(step):
         try:
-            return torch.export.export(step, tuple(clone_args(stream.inputs[0])))
+            ep = torch.export.export(step, *stream.call(k))
         except Exception as e:
-            raise ContractError(f"propose_contract: torch.export.export of the step on calls[0] failed: "
+            raise ContractError(f"propose_contract: torch.export.export of the step on calls[{k}] failed: "
                                 f"{type(e).__name__}: {e}") from e
+    lifted = lifted_buffers(ep, step)
+    if not lifted:
+        return ep
+    said = (f"the non-strict torch.export lifted module buffers {sorted(lifted.values())} as constants its "
+            f"graph writes (graph_signature inputs {sorted(lifted)}): the step reaches them through an "
+            "object, not its module path")
+    with buffers_kept(step):
+        try:
+            strict = torch.export.export(step, *stream.call(k), strict=True)
+        except Exception as e:  # noqa: BLE001 - the non-strict program still shows the user inputs
+            notes.append(f"{said}; torch.export.export(strict=True) failed too ({type(e).__name__}: {e}), so no "
+                         "region is proposed for them")
+            return ep
+    notes.append(f"{said}; the step was exported again with strict=True, which traces them as the buffers")
+    return strict
+
+
+def _graph_of(step: torch.nn.Module, stream: Stream, ep: ExportedProgram, later: dict[int, ExportedProgram],
+              name: str, i: int, notes: list[str]) -> tuple[ExportedProgram, list[str]]:
+    """The program whose graph shows state input ``i``: ``ep``, or, where the state is empty at calls[0] and
+    that graph never reads it (a context there is none of before the first call), the step exported on
+    the first call at which it is not empty."""
+    ph = placeholder(ep, name)
+    first = stream.inputs[0][i]
+    if ph is None or ph.users or first.numel():
+        return ep, []
+    k = next((k for k in range(1, stream.calls) if stream.inputs[k][i].numel()), None)
+    if k is None:
+        return ep, []
+    if k not in later:
+        try:
+            later[k] = _export(step, stream, k, notes)
+        except ContractError as e:
+            return ep, [f"at calls[0] {name!r} is empty and the graph never reads it; exporting the step on "
+                        f"calls[{k}] to read its cats failed ({e}), so only its values speak for it"]
+    return later[k], [f"at calls[0] {name!r} is empty (shape {tuple(first.shape)}) and the graph never reads it; "
+                      f"its cats and writes are read off the step exported on calls[{k}] (shape "
+                      f"{tuple(stream.inputs[k][i].shape)})"]
 
 
 def _derive(ep: ExportedProgram, stream: Stream, name: str, i: int, j: int) -> Derived:
     ph = placeholder(ep, name)
+    outs = list(ep.graph_signature.user_outputs)
+    out = node_named(ep, outs[j]) if j < len(outs) and isinstance(outs[j], str) else None
     seen = Seen(name, [c[i] for c in stream.inputs], [o[j] for o in stream.outputs],
                 [c.get(i, []) for c in stream.cats],
-                cats_of(ep, ph) if ph is not None else [], writes_of(ep, ph) if ph is not None else [])
+                cats_of(ep, ph, out) if ph is not None else [], writes_of(ep, ph) if ph is not None else [])
     return derive_region(seen)
 
 

@@ -62,10 +62,12 @@ def derive_region(s: Seen) -> Derived:
     tin = [int(x[axis]) for x in ext_in]
     tout = [int(x[axis]) for x in ext_out]
     ev.append(f"extents along axis {axis} per call: input {tin}, output {tout}")
-    cats = [next((c for c in per if c.dim == axis), None) for per in s.cats]
     gcat = next((c for c in s.graph_cats if c.dim == axis), None)
+    # the eager cat that is the graph's (the same operand of as many): another one's values say nothing here
+    cats = [next((c for c in per if c.dim == axis and (gcat is None or (c.position, c.operands) ==
+                                                         (gcat.position, gcat.operands))), None) for per in s.cats]
     order = _order(s, gcat, axis, ev)
-    growth = _growth(s, cats, gcat, tin, ev)
+    growth = _growth(s, cats, gcat, tin, tout, ev)
     if not changing:
         return _fixed(s, axis, order, growth, cats, tin[0], ev)
     return _growing(s, axis, order, growth, cats, tin, tout, ev)
@@ -92,7 +94,7 @@ def _order(s: Seen, gcat: CatFact | None, axis: int, ev: list[str]) -> Order | N
     if gcat is None:
         return None
     where = f"graph node {gcat.node!r} (aten.cat) takes the state as operand {gcat.position} of {gcat.operands} " \
-            f"along dim {axis}"
+            f"along dim {axis}{gcat.through()}" + (" (the state's output is cut from it)" if gcat.feeds_output else "")
     if gcat.position == 0:
         ev.append(f"order 'old_new': {where}")
         return "old_new"
@@ -104,7 +106,7 @@ def _order(s: Seen, gcat: CatFact | None, axis: int, ev: list[str]) -> Order | N
     return "old_new"
 
 
-def _growth(s: Seen, cats: Sequence[SeenCat | None], gcat: CatFact | None, tin: list[int],
+def _growth(s: Seen, cats: Sequence[SeenCat | None], gcat: CatFact | None, tin: list[int], tout: list[int],
             ev: list[str]) -> int | None:
     added = [c.added for c in cats if c is not None]
     if added and len(added) == len(cats):
@@ -115,26 +117,54 @@ def _growth(s: Seen, cats: Sequence[SeenCat | None], gcat: CatFact | None, tin: 
                   "(its other operands, the new input) to the state")
         return added[0]
     if gcat is not None and gcat.added:
-        ev.append(f"growth {gcat.added} a call: the other operands of graph node {gcat.node!r} have that extent")
+        ev.append(f"growth {gcat.added} a call, read off the graph: the other operands of graph node {gcat.node!r} "
+                  f"have that extent (the cat's extent along the axis less the state's operand's)")
         return gcat.added
     write = next((w for w in s.graph_writes if w.count), None)
     if write is not None and write.count:
         ev.append(f"growth {write.count} a call: graph node {write.node!r} writes {write.count} positions")
         return write.count
-    if tin[1] > tin[0]:
-        ev.append(f"growth {tin[1] - tin[0]} a call: from the first two extents ({tin[0]} -> {tin[1]})")
-        return tin[1] - tin[0]
+    bound = max(tout)
+    k = next((k for k, (a, b) in enumerate(zip(tin, tout)) if a < b < bound), None)
+    if k is not None:
+        ev.append(f"growth {tout[k] - tin[k]} a call, read off the extents (no cat of the state in the graph says "
+                  f"it): call {k} takes {tin[k]} and returns {tout[k]}, below the bound {bound}, so nothing is "
+                  "trimmed there")
+        return tout[k] - tin[k]
     return None
 
 
 def _growing(s: Seen, axis: int, order: Order | None, g: int | None, cats: Sequence[SeenCat | None],
              tin: list[int], tout: list[int], ev: list[str]) -> Derived:
+    bound = max(tout)
+    if tin[0] == 0 and all(t == bound for t in tout) and (g is None or g < bound):
+        # empty at the first call, full from its output on: a context there is none of before the stream
+        return _fixed(s, axis, order, g, cats, bound, ev, first=1)
     if g is None or g <= 0:
         raise ContractError(f"input {s.name!r}: its extent changes ({tin}) but no concatenation along axis {axis} "
                             "was seen in the graph or the eager run; cannot tell how it grows")
-    if order is None:
-        raise ContractError(f"input {s.name!r}: its extent changes ({tin}) but the graph has no aten.cat of it "
-                            f"along axis {axis}; cannot tell its order")
+    errors: list[ContractError] = []
+    orders: list[Order] = [order] if order is not None else ["old_new", "new_old"]
+    for o in orders:
+        try:
+            pol, said = _fit_window(s, axis, o, g, cats, tin, tout)
+        except ContractError as e:
+            errors.append(e)
+            continue
+        if order is None:
+            ev.append(f"order {o!r} (chosen): the graph never concatenates the state along dim {axis}, itself or "
+                      "through a chain of ops (pads, copies, cuts); the values fit it (the old positions are where "
+                      f"{'cat(old, new)' if o == 'old_new' else 'cat(new, old)'} puts them); cadence_fx copies such "
+                      "a state (a finding): the declared order only has to be the one the values follow")
+        ev.append(said)
+        return Derived(axis, o, pol, tin[0], g, tuple(ev))
+    raise errors[0]
+
+
+def _fit_window(s: Seen, axis: int, order: Order, g: int, cats: Sequence[SeenCat | None], tin: list[int],
+                tout: list[int]) -> tuple[Retention, str]:
+    """The retention of a state growing by ``g`` a call up to a bound, checked by values under ``order``,
+    and the sentence saying so; raises ContractError where no policy fits."""
     full = [t + g for t in tin]
     if tout == full:
         raise ContractError(f"input {s.name!r}: it grows by {g} at every observed call (extents {tin} -> {tout}) "
@@ -164,63 +194,68 @@ def _growing(s: Seen, axis: int, order: Order | None, g: int | None, cats: Seque
         if checked is not None and len(misses) < 2:
             misses.append(f"{pol!r} differs at call {checked}")
         if checked is None:
-            ev.append(f"retention {pol!r}: the extent grows by {g} a call up to {bound}, then stays; "
-                      f"{_how(cats)}, the output is {what} of the concatenation at every one of the "
-                      f"{len(tin)} calls ({len(trimmed)} of them trimmed)")
-            return Derived(axis, order, pol, tin[0], g, tuple(ev))
+            return pol, (f"retention {pol!r}: the extent grows by {g} a call up to {bound}, then stays; "
+                         f"{_how(cats)}, the output is {what} of the concatenation at every one of the "
+                         f"{len(tin)} calls ({len(trimmed)} of them trimmed)")
     raise ContractError(f"input {s.name!r}: extents {tin} settle at {bound}, but the output is not "
                         f"the last {bound} positions of the concatenation nor its first h and last {bound}-h for any h "
                         f"at every call (checked by values: {', '.join(misses)}); no retention policy fits")
 
 
 def _fixed(s: Seen, axis: int, order: Order | None, g: int | None, cats: Sequence[SeenCat | None], c: int,
-           ev: list[str]) -> Derived:
+           ev: list[str], first: int = 0) -> Derived:
+    """A state of extent ``c`` at every call from call ``first`` on (1: empty at the first call, ``initial=0``)."""
+    initial = 0 if first else c
+    calls = range(first, len(s.olds))
+    extent = f"the extent is {c} at every call" if not first else \
+        f"the state is empty at the first call (initial=0) and {c} at every call after"
     if order is not None and g:
         for keep, kept in (("last", lambda n: list(range(n - c, n))), ("first", lambda n: list(range(c)))):
-            if _check(s, axis, order, g, cats, kept) is not None:
+            if _check(s, axis, order, g, cats, kept, calls) is not None:
                 continue
-            how = _how(cats)
-            only_new = keep == "last" and order == "old_new" and g >= c
-            if only_new:
-                ev.append(f"retention {SlidingWindow(c)!r}: the extent is {c} at every call; {how}, the next "
+            how = _how(cats[first:])
+            if keep == "last" and order == "old_new" and g >= c:
+                ev.append(f"retention {SlidingWindow(c)!r}: {extent}; {how}, the next "
                           f"state is the last {c} positions of cat(old, new), which lie in the new input alone "
                           f"(the chunk, {g}, is at least the context, {c}: a causal conv's padding cache, "
                           "next = x[..., -k:]); declared as a window over the concatenation with its order")
-                return Derived(axis, order, SlidingWindow(c), c, g, tuple(ev))
-            ev.append(f"retention {Ring(c)!r}: the extent is {c} at every call; {how}, the next state is the {keep} "
+                return Derived(axis, order, SlidingWindow(c), initial, g, tuple(ev))
+            ev.append(f"retention {Ring(c)!r}: {extent}; {how}, the next state is the {keep} "
                       f"{c} positions of the concatenation (a fixed-size context rebuilt every call)")
-            return Derived(axis, order, Ring(c), c, g, tuple(ev))
+            return Derived(axis, order, Ring(c), initial, g, tuple(ev))
         if not s.graph_writes:
             raise ContractError(f"input {s.name!r}: a fixed extent {c} on axis {axis}, concatenated with {g} new "
                                 "positions a call, but the next state is neither the first nor the last "
                                 f"{c} positions of the concatenation (checked by values)")
     positional = [w for w in s.graph_writes if w.dim == axis]
     if positional:
-        return _written(s, axis, positional, c, g, ev)
-    ev.append(f"retention Ring({c}), order None: the graph neither concatenates the state nor writes positions of "
-              f"it; a recurrent state (an RNN's hidden state, a running statistic), declared as a Ring over axis "
-              f"{axis}, capacity {c}, as the README prescribes")
+        return _written(s, axis, positional, c, g, ev, first)
+    ev.append(f"retention Ring({c}), order None: {extent}; the graph neither concatenates the state nor writes "
+              f"positions of it; a recurrent state (an RNN's hidden state, a running statistic, a context "
+              f"computed whole every call), declared as a Ring over axis {axis}, capacity {c}, as the README "
+              "prescribes")
     if all(same_value(o, n) for o, n in zip(s.olds, s.outs)):
         ev.append("the state was returned unchanged by every observed call (a pass-through)")
-    return Derived(axis, None, Ring(c), c, None, tuple(ev))
+    return Derived(axis, None, Ring(c), initial, None, tuple(ev))
 
 
-def _written(s: Seen, axis: int, writes: list[WriteFact], c: int, g: int | None, ev: list[str]) -> Derived:
-    changed = [changed_positions(o, n, axis) for o, n in zip(s.olds, s.outs)]
+def _written(s: Seen, axis: int, writes: list[WriteFact], c: int, g: int | None, ev: list[str],
+             first: int = 0) -> Derived:
+    changed = {k: changed_positions(s.olds[k], s.outs[k], axis) for k in range(first, len(s.olds))}
     limit = sum(w.count or 0 for w in writes) or c
-    bad = next((k for k, ch in enumerate(changed) if len(ch) > limit), None)
+    bad = next((k for k, ch in changed.items() if len(ch) > limit), None)
     nodes = ", ".join(f"{w.node!r} (aten.{w.op}, {w.count} positions)" for w in writes)
     if bad is not None:
         raise ContractError(f"input {s.name!r}: graph node(s) {nodes} write {limit} positions along axis {axis} a "
                             f"call, but {len(changed[bad])} changed at call {bad}; not a ring written in place")
-    shown = "; ".join(f"call {k}: {ch}" for k, ch in enumerate(changed[:4]))
+    shown = "; ".join(f"call {k}: {ch}" for k, ch in list(changed.items())[:4])
     ev.append(f"retention Ring({c}), order None: written in place by graph node(s) {nodes} along dim {axis}; "
               f"checked by values at every call: at most {limit} positions changed and every other one is "
               f"torch.equal to the old state (changed positions: {shown}{'; ...' if len(changed) > 4 else ''})")
-    counts = Counter(len(ch) for ch in changed)
+    counts = Counter(len(ch) for ch in changed.values())
     if g is None and counts:
         g = counts.most_common(1)[0][0] or None
-    return Derived(axis, None, Ring(c), c, g, tuple(ev))
+    return Derived(axis, None, Ring(c), 0 if first else c, g, tuple(ev))
 
 
 def _head_tail(head: int, tail: int) -> Kept:
