@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import cadence_fx as cf
-from cadence_fx.annotations import RING_UPDATE_KEPT, Finding
+from cadence_fx.annotations import RING_UPDATE_KEPT, TRAFFIC_ABOVE_STOCK, Finding
 from cadence_fx.plan import state_traffic
 
 FORMS = ("index_copy", "index_copy_", "scatter", "scatter_", "index_put", "clone_index_put_", "slice_")
@@ -200,7 +200,11 @@ def test_concatenated_caches_on_every_axis_are_exact_and_cost_what_is_measured(c
             assert b["optimized"] <= b["stock"] + max(0, window - t) * rest * (t + n > window)
             if t >= window or t + n <= window:
                 assert b["optimized"] <= b["stock"]
-        else:  # the gap this layout keeps: the stock cat, then the kept extent copied into the buffer
+        elif prog.plan.region("kv").layout == "envelope" and t + n == prog.plan.region("kv").envelope:
+            # the cat fills the envelope: the new frames appended behind the state in place, the kept
+            # tail shifted to the front: what the stock cat moves, no more
+            assert b["optimized"] == b["stock"], (entry, dims, axis)
+        else:  # a class whose cat is shorter than the envelope: the stock cat, then the kept extent copied
             assert b["optimized"] == b["stock"] + min(window, t + n) * rest, (entry, dims, axis)
 
 
@@ -272,7 +276,8 @@ def test_unprovable_ring_update_is_left_stock_and_reported(alias_src):
     if alias_src:
         assert not entry["left_stock"]  # flip() copies: its result does not view the ring, the write is exact
     else:
-        (found,) = entry["left_stock"]
+        found, above = entry["left_stock"]  # the ring kept stock, then the cost of that, said
+        assert (above.pattern, above.region) == (TRAFFIC_ABOVE_STOCK, "ring") and found.reason in above.reason
         assert (found.pattern, found.region) == (RING_UPDATE_KEPT, "ring"), found
         assert "reads the old region after" in found.reason, found
         assert found.cls == tuple(entry["class"].items())
@@ -298,8 +303,9 @@ def test_a_saved_program_keeps_its_findings(tmp_path):
     prog = cf.optimize([ep], contract, replay="off")
     path = tmp_path / "ring.cfx"
     cf.save(prog, path)
-    (want,), (got,) = (state_traffic(p)[0]["left_stock"] for p in (prog, cf.load(path)))
+    (want, want_above), (got, got_above) = (state_traffic(p)[0]["left_stock"] for p in (prog, cf.load(path)))
     assert isinstance(got, Finding) and got == want and got.pattern == RING_UPDATE_KEPT
+    assert got_above == want_above and got_above.pattern == TRAFFIC_ABOVE_STOCK
     payload = torch.load(path, weights_only=True)
     text = payload["manifest"].replace(json.dumps(RING_UPDATE_KEPT), '"no_such_kind"')
     assert text != payload["manifest"]
@@ -326,7 +332,7 @@ def test_ring_update_from_a_view_of_itself_is_refused():
         (entry,) = state_traffic(prog)
         assert bool(entry["left_stock"]) == refused, entry
         if refused:
-            (found,) = entry["left_stock"]
+            found, _above = entry["left_stock"]
             assert (found.pattern, found.region) == (RING_UPDATE_KEPT, "ring"), found
             assert "reads the region's own storage" in found.reason, found
         stock = ep.module()
