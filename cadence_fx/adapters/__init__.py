@@ -12,6 +12,9 @@
   logic, the exported steps, their contracts and the plan target.
 - :mod:`cadence_fx.adapters.bounded_vocoder`: the 1.0.7 causal ``BoundedVocoder``: its host-driven
   stream stays stock, its stateless ``decode`` runs as an optimized, replayed catalog.
+- :mod:`cadence_fx.adapters.code2wav`: Qwen3-Omni's Code2Wav (transformers ``Qwen3OmniMoeCode2Wav``):
+  the released config with random weights, ``chunked_decode``'s step ``(ctx_codes, new_codes) ->
+  (wav, next_ctx)`` with the context as one sliding-window region that starts empty, and ``bind``.
 
 Adapters import upstream code; they never copy it.
 """
