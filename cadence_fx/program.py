@@ -88,6 +88,12 @@ class OptimizedProgram:
         self.census = Census(self.lanes)
 
     @property
+    def program_input_names(self) -> list[str]:
+        """The rewritten programs' inputs, in calling order: :attr:`input_names` plus the regions kept in
+        module buffers, which the program feeds itself (what an artifact stores)."""
+        return list(self._names)
+
+    @property
     def input_names(self) -> list[str]:
         """The program's inputs, in calling order (the exported programs' user inputs; a region kept in a
         module buffer is not one: the program holds it)."""

@@ -5,6 +5,7 @@ with its own state; contracts that name the wrong buffer are refused by name."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -140,7 +141,31 @@ def test_undeclared_buffer_still_refused_for_sessions():
         prog.session()
 
 
-def test_save_refuses_buffer_regions(tmp_path):
-    prog = cf.optimize(_export(), _contract())
-    with pytest.raises(cf.ArtifactError, match="module buffers"):
-        cf.save(prog, tmp_path / "p.cfx")
+def test_buffer_regions_survive_save_and_load(tmp_path):
+    """An artifact stores where the buffer regions sit and their first values: the loaded program takes
+    the stock signature, starts each conversation from the export's buffers, and streams the same bytes."""
+    contract = dataclasses.replace(_contract(), wrap=(cf.WHOLE_STEP,))
+    prog = cf.optimize(_export(), contract)
+    info = cf.save(prog, tmp_path / "p.cfx")
+    back = cf.load(tmp_path / "p.cfx", sha256=info["sha256"])
+    assert back.input_names == ["x", "pos"]
+    a, b = prog.session(), back.session()
+    for c in _stream(12):
+        assert torch.equal(a(*c), b(*c))
+
+
+def test_tampered_buffer_region_entry_is_refused(tmp_path):
+    import json
+
+    prog = cf.optimize(_export(), dataclasses.replace(_contract(), wrap=(cf.WHOLE_STEP,)))
+    path = tmp_path / "p.cfx"
+    cf.save(prog, path)
+    payload = torch.load(path, weights_only=True)
+    manifest = json.loads(payload["manifest"])
+    manifest["buffer_regions"]["inputs"]["k"] = 0  # claims the region sits at the first input ('x')
+    payload["manifest"] = json.dumps(manifest)
+    import hashlib
+    payload["manifest_sha256"] = hashlib.sha256(payload["manifest"].encode()).hexdigest()
+    torch.save(payload, path)
+    with pytest.raises(cf.ArtifactError, match="buffer_regions"):
+        cf.load(path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 
 from cadence_fx import kernel_settings
@@ -61,10 +62,6 @@ def save(prog: OptimizedProgram, path: str | os.PathLike[str]) -> dict[str, Any]
         raise ArtifactError("cadence_fx.save: the program runs in verify mode (optimize(..., verify=True)), a "
                             "debugging mode whose audits hold Python objects; save a program optimized with "
                             "verify=False")
-    if prog.buffer_regions:
-        raise ArtifactError("cadence_fx.save: the program keeps region(s) "
-                            f"{sorted(prog.buffer_regions.inputs)} in module buffers (Region.output=None), which "
-                            "the artifact format does not store yet; save a program whose regions are inputs")
     for fw in prog.folded_weights():
         fw.check()  # an in-place edit since optimize: the stored constants would be stale
     lane = prog.lanes.lanes[0]
@@ -78,6 +75,13 @@ def save(prog: OptimizedProgram, path: str | os.PathLike[str]) -> dict[str, Any]
             "facts": encode_facts(entry.facts),
             "modules": writer.modules(entry.gm, f"program {i}"),
         })
+    # regions kept in module buffers: where they sit in the lifted programs, and their first values
+    # (entries of the tensor table: digested and placed like every other stored tensor)
+    br = prog.buffer_regions
+    buffer_regions = None if not br else {
+        "inputs": dict(br.inputs), "outputs": dict(br.outputs), "visible": list(br.visible_names),
+        "out_spec": pytree.treespec_dumps(br.out_spec),
+        "initial": {name: writer.ref(t)[1] for name, t in br.initial.items()}}
     tensors = writer.tensors
     digests = tensor_digests(tensors)
     # Weights the hoisted cones read and nothing else does (the DiT's adaLN projections, whose every
@@ -116,7 +120,8 @@ def save(prog: OptimizedProgram, path: str | os.PathLike[str]) -> dict[str, Any]
         "settings": kernel_settings.snapshot(),
         "contract": encode_contract(prog.contract),
         "state_rule": prog.state_rule,
-        "names": prog.input_names,
+        "names": prog.program_input_names,
+        "buffer_regions": buffer_regions,
         "plan": encode_plan(prog.plan),
         "passes": dict(prog.stats["passes"]),
         "tensors": [{"sha256": d, "parameter": isinstance(t, torch.nn.Parameter), "requires_grad": t.requires_grad}

@@ -6,12 +6,13 @@ from typing import Any, Mapping
 
 import torch
 from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
 
 from cadence_fx.artifact.environment import device_map, saved_device
 from cadence_fx.artifact.exceptions import ArtifactError, where
 from cadence_fx.artifact.graph_codec import decoded_module
 from cadence_fx.artifact.values import STORED_FACTS, decode, decode_fact, decode_plan, decode_site, parse_dtype
-from cadence_fx.buffer_regions import NO_BUFFER_REGIONS
+from cadence_fx.buffer_regions import NO_BUFFER_REGIONS, BufferRegions
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Contract
 from cadence_fx.passes import ProgramFacts
@@ -20,6 +21,34 @@ from cadence_fx.runtime.weights import FoldedWeights
 from cadence_fx.runtime.workspaces import CatalogTables, SharedWorkspace
 
 __all__ = ["ArtifactSource"]
+
+
+def decode_buffer_regions(stored: Any, names: list[str], contract: Contract,
+                          tensors: list[torch.Tensor]) -> BufferRegions:
+    """The stored module-buffer regions, checked against the stored programs' inputs and contract."""
+    if stored is None:
+        return NO_BUFFER_REGIONS
+    if not isinstance(stored, dict) or set(stored) != {"inputs", "outputs", "visible", "out_spec", "initial"}:
+        raise ArtifactError("buffer_regions: malformed entry")
+    regions = {r.name: r for r in contract.regions}
+    inputs, outputs, initial = stored["inputs"], stored["outputs"], stored["initial"]
+    for table in (inputs, outputs, initial):
+        if not isinstance(table, dict) or set(table) - set(regions) or set(table) != set(inputs):
+            raise ArtifactError("buffer_regions: the regions named are not the contract's")
+    for name, i in inputs.items():
+        if type(i) is not int or not 0 <= i < len(names) or names[i] != regions[name].input \
+                or outputs[name] != regions[name].output:
+            raise ArtifactError(f"buffer_regions: region {name!r} does not sit where the contract says")
+        if type(initial[name]) is not int or not 0 <= initial[name] < len(tensors):
+            raise ArtifactError(f"buffer_regions: region {name!r}'s initial value names no stored tensor")
+    visible = stored["visible"]
+    if not isinstance(visible, list) or visible != [n for i, n in enumerate(names) if i not in set(inputs.values())]:
+        raise ArtifactError("buffer_regions: the visible inputs are not the programs' inputs less the regions")
+    if not isinstance(stored["out_spec"], str):
+        raise ArtifactError("buffer_regions: malformed output tree")
+    out_spec = pytree.treespec_loads(stored["out_spec"])  # JSON of registered node types only: no code
+    return BufferRegions(dict(inputs), dict(outputs), {n: tensors[i] for n, i in initial.items()}, out_spec,
+                         tuple(visible))
 
 
 class ArtifactSource:
@@ -33,7 +62,6 @@ class ArtifactSource:
     label = "cadence_fx load"
     copyable = True
     auditor = None  # verify mode is never saved
-    buffer_regions = NO_BUFFER_REGIONS  # save refuses programs with module-buffer regions
     shared_bytes = 0
 
     def __init__(self, manifest: Mapping[str, Any], contract: Contract, tensors: list[torch.Tensor],
@@ -52,6 +80,7 @@ class ArtifactSource:
         self._admitted = [bool(p["admitted"]) for p in programs]
         self.plan: Plan = decode_plan(manifest["plan"])
         self.names: list[str] = list(manifest["names"])
+        self.buffer_regions = decode_buffer_regions(manifest.get("buffer_regions"), self.names, contract, tensors)
         self.state_rule = bool(manifest["state_rule"])
         # graphs decoded ahead (the first lane's modules); a further lane decodes its own
         self._prebuilt = dict(prebuilt or {})
