@@ -27,7 +27,7 @@ LAYERS = [
     ("passes", ("cadence_fx.passes", "cadence_fx.pipeline", "cadence_fx.plan", "cadence_fx.export", "cadence_fx.buffer_regions",
                 "cadence_fx.shared_weights")),
     ("program", ("cadence_fx.program", "cadence_fx.build", "cadence_fx.artifact")),
-    ("top", ("cadence_fx.testing", "cadence_fx.adapters", "cadence_fx.cli", "cadence_fx")),
+    ("top", ("cadence_fx.testing", "cadence_fx.adapters", "cadence_fx.cli", "cadence_fx.serve", "cadence_fx")),
 ]
 
 
