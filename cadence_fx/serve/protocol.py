@@ -20,22 +20,29 @@ against a size limit before anything is parsed, dtypes against a whitelist, and 
 :func:`check_inputs`) each tensor against what the program expects. Anything else is a
 :class:`ProtocolError` with an :class:`ErrorCode`; nothing else ever escapes :func:`decode_frame` or
 :func:`decode_control`.
+
+:class:`ConversationBackend` is the seam between the front end and what runs the steps;
+:class:`StreamClient` speaks the protocol from the client side.
+
+Why one module: the wire format, its client and the backend seam are one contract, read by people
+who write clients in other languages and by the front end; a client needs this file (and torch) only.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import math
 import struct
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 __all__ = [
-    "CLIENT_MESSAGES", "CHUNK", "ConversationBackend", "DEADLINE_MISSED", "DTYPE_CODES", "ErrorCode", "Frame", "HEADER", "MAGIC",
+    "CLIENT_MESSAGES", "CHUNK", "ConversationBackend", "StreamClient", "DEADLINE_MISSED", "DTYPE_CODES", "ErrorCode", "Frame", "HEADER", "MAGIC",
     "MAX_CONTROL_BYTES", "MAX_FRAME_BYTES", "MAX_RANK", "MAX_TENSORS", "OUTPUT", "ProtocolError", "TensorSpec",
     "VERSION", "check_inputs", "decode_control", "decode_frame", "encode_control", "encode_frame",
     "error_message", "spec_from_json", "spec_to_json",
@@ -337,3 +344,83 @@ class ConversationBackend(Protocol):
 
     def close(self, conv_id: str) -> None:
         """End the conversation and free what it holds (closing a closed one is a no-op)."""
+
+
+# ---------------------------------------------------------------------------------------- a client
+class StreamClient:
+    """The protocol's client side over one WebSocket connection: anything with ``async send(str |
+    bytes)`` and ``async recv() -> str | bytes`` (a ``websockets`` connection). Replies are matched to
+    requests (control replies by ``ref``, outputs and chunk errors by conversation and sequence number);
+    what arrives for another request waits in :attr:`pending` until asked for. An ``error`` reply is
+    raised as :class:`ProtocolError`."""
+
+    def __init__(self, ws: Any, *, max_bytes: int = 64 << 20) -> None:
+        self.ws = ws
+        self.max_bytes = max_bytes
+        self.pending: list[Frame | dict] = []
+        self._refs = itertools.count(1)
+
+    async def request(self, kind: str, **fields: Any) -> dict:
+        """Send one control message; its reply (an ``error`` reply raises)."""
+        ref = next(self._refs)
+        await self.ws.send(encode_control(kind, ref=ref, **fields))
+        return _raise_error(await self.expect(lambda m: isinstance(m, dict) and m.get("ref") == ref))
+
+    async def open(self, *, seed: int | None = None, prompt: int | None = None,
+                   deadline_ms: float | None = None) -> dict:
+        """A new conversation: the ``opened`` reply (``conv``, ``inputs``, ``deadline_ms``, ...)."""
+        return await self.request("open", seed=seed, prompt=prompt, deadline_ms=deadline_ms)
+
+    async def snapshot(self, conv: int) -> dict:
+        return await self.request("snapshot", conv=conv)
+
+    async def restore(self, conv: int, token: str) -> dict:
+        return await self.request("restore", conv=conv, token=token)
+
+    async def close(self, conv: int) -> dict:
+        return await self.request("close", conv=conv)
+
+    async def send_chunk(self, conv: int, seq: int, tensors: Sequence[torch.Tensor]) -> None:
+        await self.ws.send(encode_frame(CHUNK, conv, seq, tensors))
+
+    async def result(self, conv: int, seq: int) -> Frame:
+        """The reply to chunk ``seq`` of ``conv``: its ``OUTPUT`` frame (an error reply raises)."""
+        def mine(m: Frame | dict) -> bool:
+            if isinstance(m, Frame):
+                return (m.conv, m.seq) == (conv, seq)
+            return m.get("type") == "error" and (m.get("conv"), m.get("seq")) == (conv, seq)
+        msg = await self.expect(mine)
+        return msg if isinstance(msg, Frame) else _raise_error(msg)
+
+    async def chunk(self, conv: int, seq: int, tensors: Sequence[torch.Tensor]) -> Frame:
+        await self.send_chunk(conv, seq, tensors)
+        return await self.result(conv, seq)
+
+    async def expect(self, match: Callable[[Frame | dict], bool]) -> Any:
+        """The first message (waiting or arriving) that ``match`` accepts."""
+        for i, m in enumerate(self.pending):
+            if match(m):
+                return self.pending.pop(i)
+        while True:
+            raw = await self.ws.recv()
+            m = (decode_frame(raw, max_bytes=self.max_bytes, kinds=(OUTPUT,)) if isinstance(raw, (bytes, bytearray))
+                 else _decode_reply(raw))
+            if match(m):
+                return m
+            self.pending.append(m)
+
+
+def _decode_reply(text: str) -> dict:
+    try:
+        msg = json.loads(text)
+    except ValueError as e:
+        raise ProtocolError(ErrorCode.BAD_JSON, f"server sent non-JSON text: {e}") from None
+    if not isinstance(msg, dict) or msg.get("type") not in SERVER_MESSAGES:
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"server sent {text!r:.80}")
+    return msg
+
+
+def _raise_error(msg: dict) -> dict:
+    if msg.get("type") == "error":
+        raise ProtocolError(ErrorCode(msg["code"]), msg.get("message", ""), conv=msg.get("conv"), seq=msg.get("seq"))
+    return msg
