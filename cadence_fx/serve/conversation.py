@@ -1,0 +1,133 @@
+"""What crosses a process boundary about one conversation: its state, a chunk's result, and its errors.
+
+A conversation's state lives in one worker (a :class:`~cadence_fx.runtime.sessions.Session` of that
+worker's program). To move it (a migration, a checkpoint, a resume after a failure) it travels as a
+:class:`ConversationState`: every region's tensor on the host, the random streams, and the stream
+position (the next chunk's sequence number). Host tensors because Ray's object store moves bytes
+between processes and machines, and a device tensor pickled in one process means nothing in another;
+the random streams because a step that draws (HiFT's sine source) continues the same stream only if
+they travel with the state. Restored through ``Session.restore`` on another worker, the next call
+computes exactly what the unmoved session would have computed.
+
+Sequence numbers are the transport's, not the model's: chunk ``seq`` of a conversation is applied
+once, in order. A chunk sent twice (a retry after a lost reply) or one that skips a chunk (a lost
+request) is refused with :class:`SequenceError` rather than silently changing the stream. A rewind to
+a turn boundary (``restore``) puts the numbering back to the snapshot's, as the front end's protocol
+has it: the chunks after the snapshot are taken again.
+
+The errors are plain exceptions with one message argument, so Ray can pickle them and re-raise them
+in the caller as themselves (``except SequenceError`` works across actors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from cadence_fx.runtime.rng import RngStates
+from cadence_fx.runtime.sessions import Snapshot
+
+__all__ = ["AdmissionRefused", "ConversationClosed", "ConversationExists", "ConversationState", "NoWorkers",
+           "ReplayDiverged", "SequenceError", "StepResult", "UnknownConversation", "sequence_error"]
+
+
+class SequenceError(ValueError):
+    """A chunk whose sequence number is not the conversation's next: sent twice, or one was skipped."""
+
+
+class UnknownConversation(LookupError):
+    """A call for a conversation this worker or controller never opened."""
+
+    def __str__(self) -> str:  # LookupError's str() would quote the message like a key
+        return str(self.args[0]) if self.args else ""
+
+
+class ConversationClosed(UnknownConversation):
+    """A call for a conversation that was closed."""
+
+
+class ConversationExists(ValueError):
+    """``open`` or ``import`` of a conversation id already open here."""
+
+
+class AdmissionRefused(RuntimeError):
+    """No worker has room for another conversation without missing deadlines; the message says why
+    (every worker's load and capacity)."""
+
+
+class NoWorkers(RuntimeError):
+    """No live worker is left to place or resume a conversation on."""
+
+
+class ReplayDiverged(RuntimeError):
+    """A chunk re-run after a failover gave other bytes than the first run sent to the client."""
+
+
+def sequence_error(conv_id: str, seq: int, expected: int) -> SequenceError:
+    """The refusal of chunk ``seq`` when ``expected`` is next, saying which way it is wrong."""
+    if seq < expected:
+        return SequenceError(f"conversation {conv_id!r}: chunk {seq} was already applied (the next chunk is "
+                             f"{expected}): a chunk sent twice is refused, not applied again")
+    return SequenceError(f"conversation {conv_id!r}: chunk {seq} skips chunk(s) {expected}..{seq - 1} (the next "
+                         f"chunk is {expected}): a chunk is never applied out of order")
+
+
+@dataclass(frozen=True)
+class ConversationState:
+    """A conversation as host tensors: what a worker exports and another imports.
+
+    ``state``: each region's tensor (its live extent, contiguous, on the host). ``rng_cpu`` and
+    ``rng_cuda`` (one per device the exporting worker sees, or ``None``): the session's random
+    streams. ``next_seq``: the sequence number of the conversation's next chunk. ``seed``: the seed it
+    was opened with (kept for the record; the streams are the state).
+    """
+
+    conv_id: str
+    state: Mapping[str, torch.Tensor]
+    rng_cpu: torch.Tensor
+    rng_cuda: tuple[torch.Tensor, ...] | None
+    next_seq: int
+    seed: int | None = None
+    meta: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, conv_id: str, snapshot: Snapshot, *, next_seq: int, seed: int | None) -> "ConversationState":
+        """From a session snapshot already on the host (``Session.snapshot(device="cpu")``)."""
+        rng = snapshot.rng if snapshot.rng is not None else RngStates.current()
+        cuda = tuple(t.cpu() for t in rng.cuda) if rng.cuda is not None else None
+        return cls(conv_id, dict(snapshot.state), rng.cpu.clone(), cuda, next_seq, seed)
+
+    def snapshot(self) -> Snapshot:
+        """The session snapshot to restore: host tensors (``restore`` copies them into the session's
+        buffers on its device). CUDA streams are kept only where this process has as many devices as
+        the exporting one (one per worker under Ray); a CPU worker never draws on a device."""
+        cuda: list[torch.Tensor] | None = None
+        if self.rng_cuda is not None and torch.cuda.is_available():
+            if len(self.rng_cuda) != torch.cuda.device_count():
+                raise ValueError(f"conversation {self.conv_id!r} was exported with {len(self.rng_cuda)} CUDA "
+                                 f"random stream(s) but this worker sees {torch.cuda.device_count()} device(s)")
+            cuda = [t.clone() for t in self.rng_cuda]
+        return Snapshot(dict(self.state), RngStates(self.rng_cpu.clone(), cuda))
+
+    def nbytes(self) -> int:
+        """Bytes of the region tensors (what a move copies)."""
+        return sum(t.numel() * t.element_size() for t in self.state.values())
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One chunk's outputs (the step's outputs that are not state, on the host) and how it went.
+
+    ``digest``: SHA-256 of the outputs, kept by the controller until the next checkpoint so a chunk
+    re-run after a failover is checked against what the client got. ``worker_s``: seconds inside the
+    worker's call (what the routing overhead is measured against).
+    """
+
+    conv_id: str
+    seq: int
+    outputs: tuple[torch.Tensor, ...]
+    digest: str
+    worker: str
+    worker_s: float

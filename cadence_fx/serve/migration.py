@@ -1,0 +1,153 @@
+"""Moving live conversations between workers: ``migrate``, ``drain`` (a deploy), ``rebalance``.
+
+A move happens between two chunks of a conversation: the controller holds the conversation's lock,
+so no chunk is in flight. The source worker exports the conversation (its session's snapshot:
+regions and random streams, as host tensors, with the next chunk's number); the export is a Ray
+object whose reference the controller passes straight to the target's ``import_conversation``, so the
+bytes go from the source's object store to the target's without passing through the controller (for
+a state over Ray's inline limit; a small one rides in the reference). The target restores it into a
+session of its own program, the affinity table points at the target, and only then is the source's
+copy closed: a move that fails on the way leaves the conversation where it was. The next chunk runs
+on the target and gives the bytes the unmoved conversation would have (``tests/test_serve_ray.py``
+checks the SHA-256 of whole streams).
+
+``drain`` marks a worker as taking no new conversations and moves each of its conversations to the
+least loaded other worker with room; ``rebalance`` moves conversations from workers above their share
+(by capacity) to workers below it (:func:`cadence_fx.serve.placement.rebalance_moves`).
+
+:class:`Moves` is mixed into :class:`~cadence_fx.serve.controller.ServeController`, whose tables it
+reads: one job (moving), kept apart from routing and failover.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from cadence_fx.serve.conversation import AdmissionRefused, ConversationClosed, NoWorkers
+from cadence_fx.serve.placement import choose, rebalance_moves
+
+if TYPE_CHECKING:
+    from cadence_fx.serve.metrics import ServeMetrics
+    from cadence_fx.serve.placement import WorkerView
+
+__all__ = ["MoveReport", "Moves"]
+
+log = logging.getLogger("cadence_fx.serve")
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """One move: from ``source`` to ``target`` in ``seconds`` (export, transfer, import, close), the
+    state's ``nbytes``."""
+
+    conv_id: str
+    source: str
+    target: str
+    seconds: float
+    nbytes: int
+
+
+class Moves:
+    """``migrate``, ``drain``, ``undrain`` and ``rebalance`` of the controller (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        _workers: dict[str, Any]
+        _convs: dict[str, Any]
+        metrics: ServeMetrics
+
+        def _conv(self, conv_id: str) -> Any: ...
+        def _worker(self, name: str) -> Any: ...
+        def _alive(self, name: str) -> bool: ...
+        def _views(self) -> list[WorkerView]: ...
+        async def _resume_locked(self, conv: Any) -> None: ...
+        async def _probe(self, w: Any) -> bool: ...
+        async def _notify_room(self) -> None: ...
+
+    async def migrate(self, conv_id: str, target: str) -> MoveReport:
+        """Move ``conv_id`` to worker ``target`` between two of its chunks."""
+        conv = self._conv(conv_id)
+        async with conv.cond:
+            return await self._migrate_locked(conv, target)
+
+    async def drain(self, worker: str) -> list[MoveReport]:
+        """Stop admitting onto ``worker`` and move every conversation on it to other workers with room.
+        Raises :class:`AdmissionRefused` (after moving what fits) when the others are full; the worker
+        then stays draining with the rest."""
+        self._worker(worker).draining = True
+        reports, left = [], []
+        for conv in [c for c in self._convs.values() if c.worker == worker]:
+            try:
+                target = choose(self._views(), exclude=[worker])
+                reports.append(await self.migrate(conv.conv_id, target))
+            except ConversationClosed:
+                continue
+            except (AdmissionRefused, NoWorkers) as e:
+                left.append(conv.conv_id)
+                log.warning("drain of %s: %s stays (%s)", worker, conv.conv_id, e)
+        await self._notify_room()
+        if left:
+            raise AdmissionRefused(f"drain of {worker}: no room on the other workers for {left}; {len(reports)} "
+                                   f"conversation(s) moved; {worker} stays draining")
+        return reports
+
+    async def undrain(self, worker: str) -> None:
+        """Admit conversations onto ``worker`` again."""
+        self._worker(worker).draining = False
+        await self._notify_room()
+
+    async def rebalance(self) -> list[MoveReport]:
+        """Even the load: conversations move from workers above their share of the total (in proportion
+        to capacity) to workers below theirs; the most recently opened move first."""
+        placed: dict[str, list[str]] = {}
+        for c in sorted(self._convs.values(), key=lambda c: c.opened_at):
+            placed.setdefault(c.worker, []).append(c.conv_id)
+        reports = []
+        for conv_id, _source, target in rebalance_moves(self._views(), placed):
+            try:
+                reports.append(await self.migrate(conv_id, target))
+            except (ConversationClosed, AdmissionRefused, NoWorkers, LookupError) as e:
+                log.warning("rebalance: %s not moved to %s (%s)", conv_id, target, e)
+        return reports
+
+    async def _migrate_locked(self, conv: Any, target: str) -> MoveReport:
+        if conv.closed:
+            raise ConversationClosed(f"conversation {conv.conv_id!r} was closed")
+        dst = self._worker(target)
+        if conv.worker == target:
+            return MoveReport(conv.conv_id, target, target, 0.0, 0)
+        if not self._alive(conv.worker):  # its worker died: the resume is the first half of the move
+            await self._resume_locked(conv)
+            if conv.worker == target:
+                return MoveReport(conv.conv_id, target, target, 0.0, 0)
+        view = next(v for v in self._views() if v.name == target)
+        if view.room <= 0:
+            raise AdmissionRefused(f"cannot move {conv.conv_id!r} to {target}: " + (
+                "it is dead" if not view.alive else "it is draining" if view.draining
+                else f"it is at capacity ({view.conversations}/{view.capacity})"))
+        src = self._workers[conv.worker]
+        t0 = time.perf_counter()
+        exported = src.handle.export_conversation.remote(conv.conv_id)  # stays in the object store
+        try:
+            nbytes = await dst.handle.import_conversation.remote(conv.conv_id, exported)
+        except (RayActorError, RayTaskError) as e:
+            src_ok, dst_ok = await self._probe(src), await self._probe(dst)
+            if not src_ok:  # the source died: resume it (from its checkpoint) instead
+                await self._resume_locked(conv)
+            if src_ok and dst_ok and isinstance(e, RayTaskError):
+                raise e.as_instanceof_cause() from None
+            raise NoWorkers(f"moving {conv.conv_id!r} from {src.name} to {target} failed: "
+                            f"{'source' if not src_ok else 'target'} died; the conversation is on {conv.worker}") from None
+        conv.worker = target
+        try:
+            await src.handle.close.remote(conv.conv_id)
+        except (RayActorError, RayTaskError) as e:  # the move is done either way
+            log.warning("migration of %s: closing it on %s failed (%s)", conv.conv_id, src.name, e)
+        seconds = time.perf_counter() - t0
+        self.metrics.event("migration", seconds, nbytes)
+        log.info("conversation %s moved %s -> %s in %.4f s (%d bytes)", conv.conv_id, src.name, target, seconds, nbytes)
+        return MoveReport(conv.conv_id, src.name, target, seconds, int(nbytes))

@@ -1,0 +1,343 @@
+"""A worker: one optimized program loaded from an artifact, serving many conversations (a Ray actor).
+
+One worker per GPU (per process on the CPU). It loads the program once from a saved artifact
+(``cf.load(path, sha256=...)``: pinned, no export, no passes; lanes rebuilt by ``load(lanes=...)``),
+captures every class before traffic (``warmup``), then takes its capacity from the config or measures
+it (:mod:`cadence_fx.serve.calibration`), so a worker that says it is ready is ready: no conversation
+pays a capture or a first-call set-up.
+
+Each conversation is a session of that program; its state never leaves the worker except as a
+:class:`~cadence_fx.serve.conversation.ConversationState` (export, snapshot). The client sends a
+chunk's own inputs with a sequence number and gets the chunk's own outputs on the host; the worker
+feeds the session's returned state to the next call itself. A chunk is applied exactly once, in
+order: another number is refused (:class:`~cadence_fx.serve.conversation.SequenceError`), and a call
+that raises leaves the conversation as before it (sessions are transactions), so a retry is exact.
+
+:class:`ConversationWorker` is a plain class (usable in-process, as the benchmark's baseline does);
+:func:`worker_actor` starts it as a threaded Ray actor, with one thread per lane plus a few for
+status and moves, since a Ray actor runs one call at a time unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import ray
+import torch
+
+from cadence_fx.artifact import load
+from cadence_fx.determinism import sha256_tensors
+from cadence_fx.runtime.sessions import Session, Snapshot
+from cadence_fx.serve.calibration import Calibration, given_capacity, measure_capacity, percentile
+from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
+                                           ConversationState, StepResult, UnknownConversation, sequence_error)
+from cadence_fx.serve.layout import StepLayout
+
+__all__ = ["ConversationWorker", "WorkerConfig", "WorkerStatus", "worker_actor"]
+
+log = logging.getLogger("cadence_fx.serve")
+
+Prompt = Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker is built. ``artifact``/``sha256``: the file ``cf.save`` wrote and the digest it
+    returned (pinned: another file is refused; ``None`` skips the pin). ``capacity``: a measured N
+    (the cadence benchmark's) or ``None`` to calibrate at start against ``deadline_s`` (the chunk
+    period) up to ``calibrate_max`` conversations. ``example``/``prompt``: one chunk's inputs and an
+    initial state for warm-up and calibration (default: zeros of the first class's shapes).
+    ``threads``: torch's intra-op threads (CPU workers; ``None`` leaves Ray's setting)."""
+
+    artifact: str
+    sha256: str | None = None
+    lanes: int = 1
+    replay: str = "auto"
+    device: str | None = None
+    capacity: int | None = None
+    deadline_s: float = 1.0
+    calibrate_max: int = 8
+    calibrate_rounds: int = 4
+    threads: int | None = None
+    example: tuple[Any, ...] | None = None
+    prompt: tuple[torch.Tensor, ...] | None = None
+    check_weights: bool = True
+    memory_margin: float = 0.8  # of the device's free memory, what calibration lets sessions take
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A worker as admission and the metrics see it. ``load``: conversations / capacity.
+    ``lanes_busy``: calls running now. ``ready_s``: construction to ready (load + warm-up +
+    calibration); ``load_s``, ``warmup_s``, ``calibrate_s`` its parts."""
+
+    name: str
+    pid: int
+    node_id: str | None
+    device: str
+    lanes: int
+    capacity: int
+    calibration: Calibration
+    conversations: tuple[str, ...]
+    load: float
+    lanes_busy: int
+    ready_s: float
+    load_s: float
+    warmup_s: float
+    calibrate_s: float
+    chunks: int
+    chunk_p50_ms: float
+    chunk_p99_ms: float
+
+
+@dataclass
+class _Conversation:
+    session: Session
+    state: dict[str, torch.Tensor]
+    next_seq: int
+    seed: int | None
+    lock: threading.Lock
+
+
+class ConversationWorker:
+    """Many conversations on one program loaded from an artifact (see the module docstring)."""
+
+    def __init__(self, config: WorkerConfig, name: str = "worker") -> None:
+        t0 = time.perf_counter()
+        self.config, self.name = config, name
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.prog = load(config.artifact, sha256=config.sha256, lanes=config.lanes, replay=config.replay,
+                         device=config.device, check_weights=config.check_weights)
+        t_load = time.perf_counter()
+        self.layout = StepLayout.of(self.prog)
+        self.regions = [r.name for r in self.prog.contract.regions]
+        self.device = next(iter(self.prog.region_buffers.values())).device
+        zero_chunk, self._zero_state = self.layout.zeros(self.prog, self.device)
+        self._example = [self._to_device(x) for x in config.example] if config.example is not None else zero_chunk
+        self.prog.warmup(*self.layout.call_args(self._example, self._zero_state))
+        t_warm = time.perf_counter()
+        self._convs: dict[str, _Conversation] = {}
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._chunk_ms: collections.deque[float] = collections.deque(maxlen=2048)
+        self._chunks = 0
+        self.calibration = self._calibrate()
+        self.capacity = self.calibration.capacity
+        t_ready = time.perf_counter()
+        self._times = {"ready_s": t_ready - t0, "load_s": t_load - t0, "warmup_s": t_warm - t_load,
+                       "calibrate_s": t_ready - t_warm}
+        log.info("worker %s ready in %.2f s on %s: %s", name, t_ready - t0, self.device, self.calibration.describe())
+
+    # ------------------------------------------------------------------ conversations
+    def open(self, conv_id: str, seed: int | None = None, prompt: Prompt = None, *, replace: bool = False,
+             force: bool = False) -> int:
+        """Open ``conv_id`` from ``prompt`` (its initial state: by region name, in contract order, or
+        ``None`` for zeros) with random streams seeded by ``seed`` (drawn here when ``None``: a served
+        conversation must be reproducible, so it always has one). Returns the seed. ``force`` admits past
+        the capacity (a failover that has nowhere else to go)."""
+        seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
+        state = self.layout.prompt(prompt, self.regions, self._zero_state)
+        self._admit(conv_id, replace=replace, force=force)
+        session = self.prog.session(conv_id, seed=seed)
+        returned = session.restore(Snapshot({n: self._to_device(t) for n, t in state.items()}, None))
+        self._install(conv_id, _Conversation(session, returned, 0, seed, threading.Lock()))
+        return seed
+
+    def step(self, conv_id: str, seq: int, inputs: Sequence[Any] | Mapping[str, Any]) -> StepResult:
+        """Apply chunk ``seq`` of ``conv_id``: the chunk's outputs on the host (the state stays here)."""
+        t0 = time.perf_counter()
+        conv = self._get(conv_id)
+        with conv.lock:
+            if seq != conv.next_seq:
+                raise sequence_error(conv_id, seq, conv.next_seq)
+            chunk = [self._to_device(x) for x in self.layout.chunk_inputs(inputs)]
+            with self._running():
+                out = conv.session(*self.layout.call_args(chunk, conv.state))
+            visible, conv.state = self.layout.split_outputs(out)
+            outputs = tuple(_to_host(o) for o in visible)
+            conv.next_seq = seq + 1
+        digest = sha256_tensors(o for o in outputs if isinstance(o, torch.Tensor))
+        took = time.perf_counter() - t0
+        with self._lock:
+            self._chunk_ms.append(took * 1e3)
+            self._chunks += 1
+        return StepResult(conv_id, seq, outputs, digest, self.name, took)
+
+    def replay(self, conv_id: str, chunks: Sequence[tuple[int, Any]]) -> list[str]:
+        """Re-run journal chunks ``(seq, inputs)`` in order after a resume (one call, not one per chunk);
+        the outputs' digests, for the controller to check against what the client was sent."""
+        return [self.step(conv_id, seq, inputs).digest for seq, inputs in chunks]
+
+    def snapshot(self, conv_id: str) -> ConversationState:
+        """The conversation's state now (a turn boundary), on the host; the conversation goes on here."""
+        conv = self._get(conv_id)
+        with conv.lock:
+            snap = conv.session.snapshot(device="cpu")
+            return ConversationState.of(conv_id, snap, next_seq=conv.next_seq, seed=conv.seed)
+
+    def restore(self, conv_id: str, state: ConversationState) -> None:
+        """Put ``conv_id`` back to ``state`` (a barge-in: back to a turn boundary): its regions, random
+        streams and stream position (the next chunk is the snapshot's ``next_seq``, as the front end's
+        protocol has it: the chunks after the snapshot are taken again)."""
+        conv = self._get(conv_id)
+        with conv.lock:
+            conv.state = self._restore_into(conv.session, state)
+            conv.next_seq = state.next_seq
+
+    def export_conversation(self, conv_id: str) -> ConversationState:
+        """The conversation as host tensors for the object store (a move or a checkpoint): its
+        snapshot and the next chunk's number. It stays open here until :meth:`close`."""
+        return self.snapshot(conv_id)
+
+    def import_conversation(self, conv_id: str, state: ConversationState, *, replace: bool = False,
+                            force: bool = False) -> int:
+        """Open ``conv_id`` here from an exported state: its next chunk is ``state.next_seq``. Returns the
+        state's bytes."""
+        self._admit(conv_id, replace=replace, force=force)
+        session = self.prog.session(conv_id, seed=state.seed)
+        returned = self._restore_into(session, state)
+        self._install(conv_id, _Conversation(session, returned, state.next_seq, state.seed, threading.Lock()))
+        return state.nbytes()
+
+    def close(self, conv_id: str) -> None:
+        """Close ``conv_id`` and free its buffers; later calls for it raise ``ConversationClosed``."""
+        with self._lock:
+            conv = self._convs.pop(conv_id, None)
+            if conv is None:
+                raise self._missing(conv_id)
+            self._remember_closed(conv_id)
+        with conv.lock:
+            conv.session.close()
+
+    # ------------------------------------------------------------------ the worker
+    def status(self) -> WorkerStatus:
+        with self._lock:
+            convs = tuple(self._convs)
+            recent = list(self._chunk_ms)
+            busy, chunks = self._busy, self._chunks
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        load = len(convs) / self.capacity if self.capacity else float("inf") if convs else 0.0
+        return WorkerStatus(self.name, os.getpid(), node, str(self.device), len(self.prog.lanes.lanes),
+                            self.capacity, self.calibration, convs, load, busy, self._times["ready_s"],
+                            self._times["load_s"], self._times["warmup_s"], self._times["calibrate_s"], chunks,
+                            percentile(recent, 50), percentile(recent, 99))
+
+    def ping(self) -> str:
+        return self.name
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def conversations(self) -> list[str]:
+        with self._lock:
+            return list(self._convs)
+
+    # ------------------------------------------------------------------ inside
+    def _calibrate(self) -> Calibration:
+        cfg = self.config
+        if cfg.capacity is not None:
+            return given_capacity(cfg.capacity, cfg.deadline_s)
+        per = sum(rp.session_bytes for rp in self.prog.plan.regions)
+        memory = None
+        if self.device.type == "cuda" and per > 0:
+            memory = int(torch.cuda.mem_get_info(self.device)[0] * cfg.memory_margin // per)
+        count = [0]
+
+        def new_conversation() -> tuple[Any, Any]:
+            count[0] += 1
+            cid = f"__calibration-{count[0]}"
+            self.open(cid, seed=count[0], prompt=cfg.prompt, force=True)
+            seq = [0]
+
+            def run() -> None:
+                self.step(cid, seq[0], self._example)
+                seq[0] += 1
+
+            def close() -> None:
+                self.close(cid)
+                with self._lock:
+                    self._closed.pop(cid, None)
+            return run, close
+
+        cal = measure_capacity(new_conversation, lanes=len(self.prog.lanes.lanes), deadline_s=cfg.deadline_s,
+                               max_n=cfg.calibrate_max, rounds=cfg.calibrate_rounds, memory_bound=memory)
+        with self._lock:  # calibration traffic is not traffic
+            self._chunk_ms.clear()
+            self._chunks = 0
+        return cal
+
+    def _restore_into(self, session: Session, state: ConversationState) -> dict[str, torch.Tensor]:
+        snap = state.snapshot()
+        return session.restore(Snapshot({n: self._to_device(t) for n, t in snap.state.items()}, snap.rng))
+
+    def _admit(self, conv_id: str, *, replace: bool, force: bool) -> None:
+        with self._lock:
+            if conv_id in self._convs:
+                if not replace:
+                    raise ConversationExists(f"worker {self.name}: conversation {conv_id!r} is already open here")
+                self._convs.pop(conv_id).session.close()
+            elif not force and len(self._convs) >= self.capacity:
+                raise AdmissionRefused(f"worker {self.name} is at capacity: {len(self._convs)} of "
+                                       f"{self.capacity} conversations ({self.calibration.describe()})")
+
+    def _install(self, conv_id: str, conv: _Conversation) -> None:
+        with self._lock:
+            self._convs[conv_id] = conv
+            self._closed.pop(conv_id, None)
+
+    def _get(self, conv_id: str) -> _Conversation:
+        with self._lock:
+            conv = self._convs.get(conv_id)
+            if conv is None:
+                raise self._missing(conv_id)
+            return conv
+
+    def _missing(self, conv_id: str) -> UnknownConversation:
+        if conv_id in self._closed:
+            return ConversationClosed(f"worker {self.name}: conversation {conv_id!r} was closed")
+        return UnknownConversation(f"worker {self.name}: no conversation {conv_id!r} here (open: "
+                                   f"{len(self._convs)})")
+
+    def _remember_closed(self, conv_id: str) -> None:
+        self._closed[conv_id] = None
+        while len(self._closed) > 4096:
+            self._closed.popitem(last=False)
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _to_device(self, x: Any) -> Any:
+        return x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x
+
+
+def _to_host(x: Any) -> Any:
+    """An output as the client gets it: a host tensor of its own (never a view of the worker's buffers)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().cpu() if x.device.type != "cpu" else x.detach().clone()
+
+
+def worker_actor(config: WorkerConfig, *, name: str, options: Mapping[str, Any] | None = None) -> Any:
+    """Start a :class:`ConversationWorker` as a Ray actor; ``options`` go to ``.options()`` (resources:
+    ``num_gpus=1`` per GPU worker, ``num_cpus`` on the CPU). Threaded: one call per lane at once, plus
+    a few threads so status and moves are not queued behind chunks. Never restarted by Ray: a worker
+    that died lost its sessions, and the controller resumes them from checkpoints elsewhere."""
+    opts: dict[str, Any] = {"max_concurrency": config.lanes + 4, "max_restarts": 0}
+    opts.update(options or {})
+    return ray.remote(ConversationWorker).options(**opts).remote(config, name)

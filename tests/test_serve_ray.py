@@ -1,0 +1,377 @@
+"""Conversations served across Ray workers: placement, affinity, admission, migration, drain,
+rebalance, failover. Every conversation's stream is checked bit for bit (SHA-256 over the whole stream)
+against the same conversation run alone through the unmodified exported programs (``cf.reference``).
+
+One local Ray cluster for the module (three nodes of one CPU each: the object store moves state
+between nodes as between machines), one demo artifact saved once, workers loaded from it with one lane
+and replay off (the CPU). Workers are killed with ``ray.kill`` and with ``SIGKILL`` of their process
+while chunks of several conversations are in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import cadence_fx as cf  # noqa: E402
+from cadence_fx.serve.checkpoints import CheckpointPolicy  # noqa: E402
+from cadence_fx.serve.controller import ControllerConfig, start_controller  # noqa: E402
+from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, SequenceError,  # noqa: E402
+                                           UnknownConversation)
+from cadence_fx.serve.placement import WorkerView, choose, rebalance_moves  # noqa: E402
+from cadence_fx.serve.worker import ConversationWorker, WorkerConfig  # noqa: E402
+from cadence_fx.testing.demo_model import DemoConfig  # noqa: E402
+from tests.helpers import demo_catalog, demo_inputs, sha256  # noqa: E402
+
+CFG = DemoConfig()
+K = 4  # checkpoint every K chunks in this module
+CAPACITY = 3
+OPTIONS = {"num_cpus": 0.5, "scheduling_strategy": "SPREAD"}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' setting; also keeps the reference runs quick on 2 cores
+    model, contract, eps = demo_catalog(CFG)
+    prog = cf.optimize(eps, contract, replay="off")
+    path = tmp_path_factory.mktemp("serve") / "demo.cfx"
+    info = cf.save(prog, path)
+    yield model, eps, str(path), info["sha256"]
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20,
+                                                      "include_dashboard": False})
+    for _ in range(2):
+        c.add_node(num_cpus=1, object_store_memory=100 << 20)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def worker_config(demo, **kw) -> WorkerConfig:
+    _model, _eps, path, digest = demo
+    base = dict(sha256=digest, lanes=1, replay="off", capacity=CAPACITY, threads=1)
+    return WorkerConfig(path, **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def ctl(cluster, demo):
+    config = ControllerConfig(checkpoint=CheckpointPolicy(every=K), reorder_s=0.05, health_interval_s=0.5,
+                              health_timeout_s=5.0)
+    handle = start_controller([worker_config(demo)] * 3, config=config, worker_options=OPTIONS)
+    yield handle
+    ray.kill(handle)
+
+
+# --------------------------------------------------------------------------- streams
+def prompt(model, seed: int):
+    return [s + seed * 0.01 for s in model.initial_state()]
+
+
+_SOLO: dict[tuple[int, int], str] = {}
+
+
+def solo_digest(demo, seed: int, chunks: int) -> str:
+    """SHA-256 of the frames of conversation ``seed`` run alone through the unmodified programs."""
+    if (seed, chunks) not in _SOLO:
+        model, eps, _path, _digest = demo
+        ref, state, frames = cf.reference(eps), prompt(model, seed), []
+        for k in range(chunks):
+            tok, noise = demo_inputs(CFG, seed, k)
+            out = ref(tok, *state, noise)
+            frames.append(out[0].clone())
+            state = [t.clone() for t in out[1:]]
+        _SOLO[(seed, chunks)] = sha256(frames)
+    return _SOLO[(seed, chunks)]
+
+
+class Streams:
+    """Client side of several conversations: every chunk's reply, by conversation and sequence number."""
+
+    def __init__(self, ctl, demo, seeds: dict[str, int]):
+        self.ctl, self.demo, self.seeds = ctl, demo, seeds
+        self.got: dict[str, dict[int, torch.Tensor]] = {c: {} for c in seeds}
+        self.workers: dict[str, list[str]] = {c: [] for c in seeds}
+        self.next = {c: 0 for c in seeds}
+
+    def open(self):
+        model = self.demo[0]
+        return ray.get([self.ctl.open.remote(c, seed=s, prompt=prompt(model, s)) for c, s in self.seeds.items()])
+
+    def submit(self, convs=None):
+        """One chunk of each conversation, all in flight at once; returns the refs."""
+        refs = {}
+        for c in convs or self.seeds:
+            tok, noise = demo_inputs(CFG, self.seeds[c], self.next[c])
+            refs[c] = self.ctl.step.remote(c, self.next[c], [tok, noise])
+            self.next[c] += 1
+        return refs
+
+    def collect(self, refs):
+        for c, r in refs.items():
+            res = ray.get(r)
+            assert res.conv_id == c and res.seq not in self.got[c], (c, res.seq)  # never twice
+            self.got[c][res.seq] = res.outputs[0]
+            self.workers[c].append(res.worker)
+
+    def run(self, rounds: int, convs=None):
+        for _ in range(rounds):
+            self.collect(self.submit(convs))
+
+    def check(self):
+        for c, seed in self.seeds.items():
+            n = self.next[c]
+            assert sorted(self.got[c]) == list(range(n)), f"{c}: chunks lost or duplicated"
+            assert sha256([self.got[c][k] for k in range(n)]) == solo_digest(self.demo, seed, n), \
+                f"{c}: the stream differs from its solo unmodified run"
+
+    def close(self):
+        ray.get([self.ctl.close.remote(c) for c in self.seeds])
+
+
+def affinity(ctl):
+    return ray.get(ctl.affinity.remote())
+
+
+# --------------------------------------------------------------------------- placement rules (no Ray)
+def test_choose_least_loaded_with_room_and_refuses_with_every_workers_load():
+    views = [WorkerView("a", 1, 4), WorkerView("b", 1, 2), WorkerView("c", 0, 4, draining=True)]
+    assert choose(views) == "a"  # by fraction of capacity; never a draining worker
+    assert choose([WorkerView("a", 2, 4), WorkerView("b", 1, 2)]) == "b"  # equal fractions: fewer conversations
+    full = [WorkerView("a", 4, 4), WorkerView("b", 2, 2), WorkerView("c", 0, 0, alive=False)]
+    with pytest.raises(AdmissionRefused, match=r"a: 4/4, b: 2/2, c: dead"):
+        choose(full)
+    assert choose(full, overcommit=True) == "b"  # a resume goes past capacity rather than drop a conversation
+
+
+def test_rebalance_moves_to_shares_by_capacity():
+    views = [WorkerView("a", 5, 8), WorkerView("b", 0, 8), WorkerView("c", 1, 4)]
+    moves = rebalance_moves(views, {"a": ["a1", "a2", "a3", "a4", "a5"], "c": ["c1"]})
+    assert moves == [("a5", "a", "b"), ("a4", "a", "b")]  # shares 2.4, 2.4, 1.2
+    assert rebalance_moves([WorkerView("a", 2, 4), WorkerView("b", 1, 4)], {"a": ["x", "y"], "b": ["z"]}) == []
+
+
+def test_calibration_measures_capacity_against_the_deadline(demo):
+    relaxed = ConversationWorker(worker_config(demo, capacity=None, deadline_s=1.0, calibrate_max=3, calibrate_rounds=2))
+    cal = relaxed.status().calibration
+    assert (cal.capacity, cal.source, cal.bound) == (3, "calibrated", "max_n") and sorted(cal.p99_ms) == [1, 2, 3]
+    assert relaxed.status().conversations == () and relaxed.status().chunks == 0  # scratch conversations gone
+    strict = ConversationWorker(worker_config(demo, capacity=None, deadline_s=1e-6, calibrate_max=3))
+    assert (strict.capacity, strict.calibration.bound) == (0, "deadline")
+    with pytest.raises(AdmissionRefused, match="at capacity: 0 of 0"):
+        strict.open("x", seed=1)
+
+
+# --------------------------------------------------------------------------- the cluster
+def test_workers_are_ready_from_the_artifact_on_separate_nodes(ctl):
+    st = ray.get(ctl.status.remote())
+    assert sorted(st["workers"]) == ["worker-0", "worker-1", "worker-2"]
+    for w in st["workers"].values():
+        assert w["alive"] and w["capacity"] == CAPACITY and w["lanes"] == 1
+        assert 0 < w["ready_s"] <= w["spawn_to_ready_s"] and "given in the worker's config" in w["calibration"]
+    nodes = {ray.get(ray.get(ctl.worker_handle.remote(n)).status.remote()).node_id for n in st["workers"]}
+    assert len(nodes) == 3  # one worker per node: moves cross object stores
+
+
+def test_placement_spreads_and_every_chunk_goes_to_the_worker_holding_the_state(ctl, demo):
+    s = Streams(ctl, demo, {"p1": 11, "p2": 12, "p3": 13})
+    opened = s.open()
+    assert len({o["worker"] for o in opened}) == 3  # least loaded first: one each
+    s.run(6)
+    table = affinity(ctl)
+    for c in s.seeds:
+        assert set(s.workers[c]) == {table[c]}
+    s.check()
+    s.close()
+
+
+def test_admission_refuses_at_capacity_with_the_reason_and_queues_when_asked(ctl, demo):
+    model = demo[0]
+    convs = [f"full{i}" for i in range(3 * CAPACITY)]
+    ray.get([ctl.open.remote(c, seed=i, prompt=prompt(model, i)) for i, c in enumerate(convs)])
+    with pytest.raises(AdmissionRefused, match=r"every worker is at capacity.*worker-0: 3/3"):
+        ray.get(ctl.open.remote("one-more", seed=1))
+    with pytest.raises(AdmissionRefused, match=r"waited 0.2 s"):
+        ray.get(ctl.open.remote("one-more", seed=1, wait_s=0.2))
+    queued = ctl.open.remote("queued", seed=5, prompt=prompt(model, 5), wait_s=20.0)
+    time.sleep(0.3)
+    ray.get(ctl.close.remote(convs[0]))  # room: the queued open goes in
+    assert ray.get(queued)["conv_id"] == "queued"
+    st = ray.get(ctl.status.remote())
+    assert st["metrics"]["counters"]["admission_refused"] == 2
+    ray.get([ctl.close.remote(c) for c in convs[1:] + ["queued"]])
+
+
+def test_wrong_sequence_numbers_and_unknown_or_closed_conversations_are_refused(ctl, demo):
+    s = Streams(ctl, demo, {"seq": 21})
+    s.open()
+    tok, noise = demo_inputs(CFG, 21, 0)
+    with pytest.raises(SequenceError, match=r"chunk 1 skips chunk\(s\) 0..0"):
+        ray.get(ctl.step.remote("seq", 1, [tok, noise]))
+    s.run(2)
+    with pytest.raises(SequenceError, match="chunk 1 was already applied"):
+        ray.get(ctl.step.remote("seq", 1, [tok, noise]))
+    worker = ray.get(ctl.worker_handle.remote(affinity(ctl)["seq"]))
+    with pytest.raises(SequenceError, match="chunk 0 was already applied"):  # the worker checks too
+        ray.get(worker.step.remote("seq", 0, [tok, noise]))
+    s.run(1)
+    s.check()  # the refused chunks changed nothing
+    with pytest.raises(UnknownConversation, match="no conversation 'nobody'"):
+        ray.get(ctl.step.remote("nobody", 0, [tok, noise]))
+    s.close()
+    with pytest.raises(ConversationClosed, match="'seq' was closed"):
+        ray.get(ctl.step.remote("seq", 3, [tok, noise]))
+    with pytest.raises(ConversationClosed):
+        ray.get(worker.step.remote("seq", 3, [tok, noise]))
+
+
+def test_migration_mid_stream_is_bit_exact(ctl, demo):
+    s = Streams(ctl, demo, {"mover": 31})
+    source = s.open()[0]["worker"]
+    s.run(5)
+    target = next(w for w in ("worker-0", "worker-1", "worker-2") if w != source)
+    report = ray.get(ctl.migrate.remote("mover", target))
+    assert (report.source, report.target) == (source, target) and report.nbytes > 0 and report.seconds > 0
+    assert affinity(ctl)["mover"] == target
+    src = ray.get(ctl.worker_handle.remote(source))
+    assert "mover" not in ray.get(src.conversations.remote())
+    s.run(5)
+    assert s.workers["mover"] == [source] * 5 + [target] * 5
+    s.check()
+    s.close()
+
+
+def test_snapshot_and_restore_rewind_a_conversation(ctl, demo):
+    s = Streams(ctl, demo, {"turns": 41})
+    s.open()
+    s.run(3)
+    snap = ctl.snapshot.remote("turns")  # a turn boundary, kept in the object store
+    s.run(2)
+    first = dict(s.got["turns"])
+    assert ray.get(ctl.restore.remote("turns", snap)) == 3  # barge-in: back to chunk 3
+    s.next["turns"] = 3
+    for k in (3, 4):
+        del s.got["turns"][k]
+    s.run(2)
+    assert all(torch.equal(first[k], s.got["turns"][k]) for k in (3, 4))
+    s.run(2)
+    s.check()
+    s.close()
+
+
+def test_drain_then_rebalance_move_live_conversations(ctl, demo):
+    s = Streams(ctl, demo, {f"d{i}": 50 + i for i in range(5)})
+    s.open()
+    s.run(2)
+    placed = affinity(ctl)
+    drained = max(("worker-0", "worker-1", "worker-2"), key=lambda w: list(placed.values()).count(w))
+    before = [c for c, w in placed.items() if w == drained]
+    reports = ray.get(ctl.drain.remote(drained))
+    assert sorted(r.conv_id for r in reports) == sorted(before)
+    assert drained not in affinity(ctl).values()
+    assert ray.get(ctl.open.remote("after-drain", seed=59))["worker"] != drained  # drained: takes none
+    ray.get(ctl.close.remote("after-drain"))
+    s.run(2)
+    ray.get(ctl.undrain.remote(drained))
+    moves = ray.get(ctl.rebalance.remote())
+    assert moves and all(m.target == drained for m in moves)
+    counts = [list(affinity(ctl).values()).count(w) for w in ("worker-0", "worker-1", "worker-2")]
+    assert max(counts) - min(counts) <= 1
+    s.run(2)
+    s.check()
+    s.close()
+
+
+def _kill_during_traffic(ctl, demo, seeds, kill, *, rounds: int = 10, kill_at: int = 5):
+    """Drive ``seeds``' conversations; at round ``kill_at``, with every chunk of that round in flight,
+    ``kill(handle)`` the worker holding the most of them. Returns (streams, the killed worker's name)."""
+    s = Streams(ctl, demo, seeds)
+    s.open()
+    victim = None
+    for r in range(rounds):
+        refs = s.submit()
+        if r == kill_at:
+            owners = [affinity(ctl)[c] for c in seeds]
+            victim = max(set(owners), key=owners.count)
+            kill(ray.get(ctl.worker_handle.remote(victim)))
+        s.collect(refs)
+    return s, victim
+
+
+def test_failover_after_ray_kill_during_traffic_loses_and_duplicates_nothing(ctl, demo):
+    seeds = {f"k{i}": 70 + i for i in range(5)}
+    s, victim = _kill_during_traffic(ctl, demo, seeds, lambda h: ray.kill(h, no_restart=True))
+    st = ray.get(ctl.status.remote())
+    assert not st["workers"][victim]["alive"] and victim not in affinity(ctl).values()
+    resumed = [r for r in ray.get(ctl.resumes.remote()) if r["from"] == victim]
+    assert resumed and all(r["replayed"] <= K and r["to"] != victim for r in resumed)
+    s.check()
+    s.close()
+    ray.get(ctl.add_worker.remote(worker_config(demo), "worker-3", OPTIONS))  # a replacement
+
+
+def test_failover_after_sigkill_of_the_worker_process_resumes_idle_ones_too(ctl, demo):
+    seeds = {f"s{i}": 80 + i for i in range(5)}
+    placed_first = {}
+
+    def sigkill(handle):
+        placed_first.update(affinity(ctl))
+        os.kill(ray.get(handle.pid.remote()), signal.SIGKILL)
+
+    # "s0" sends two chunks and then nothing: it is resumed when its worker's death is found, before
+    # its next chunk (the victim is chosen as s0's worker)
+    s = Streams(ctl, demo, seeds)
+    s.open()
+    s.run(2)
+    victim = affinity(ctl)["s0"]
+    for r in range(2, 10):
+        refs = s.submit([c for c in seeds if c != "s0"])
+        if r == 5:
+            sigkill(ray.get(ctl.worker_handle.remote(victim)))
+        s.collect(refs)
+    deadline = time.monotonic() + 10
+    while affinity(ctl)["s0"] == victim and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert affinity(ctl)["s0"] != victim  # resumed while idle
+    s.run(2)
+    s.check()
+    moved = [c for c, w in placed_first.items() if w == victim and c in seeds]
+    assert {r["conv_id"] for r in ray.get(ctl.resumes.remote()) if r["from"] == victim} >= set(moved)
+    s.close()
+
+
+def test_metrics_in_prometheus_text(ctl, demo):
+    s = Streams(ctl, demo, {"m1": 91})
+    s.open()
+    s.run(K + 1)  # a checkpoint on the way
+    text = ray.get(ctl.metrics_text.remote()).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    lat = families["cadence_fx_serve_chunk_latency_seconds"]
+    quantiles = {x.labels.get("quantile") for x in lat.samples if x.labels.get("conversation") == "m1"}
+    assert quantiles >= {"0.5", "0.99"}
+    for name in ("cadence_fx_serve_worker_capacity", "cadence_fx_serve_worker_lanes_busy",
+                 "cadence_fx_serve_worker_load", "cadence_fx_serve_routing_overhead_seconds",
+                 "cadence_fx_serve_deadline_misses", "cadence_fx_serve_event_seconds"):
+        assert name in families, name
+    failovers = families["cadence_fx_serve_failovers"].samples[0].value
+    assert failovers >= 2  # the two kills above
+    events = ray.get(ctl.status.remote())["metrics"]["events"]
+    assert events["checkpoint"]["count"] > 0 and events["migration"]["count"] > 0 and events["resume"]["count"] > 0
+    s.check()
+    s.close()
