@@ -184,6 +184,7 @@ class StreamFrontend:
         conv.task = asyncio.ensure_future(self._step(conn, conv, frame, arrived))
 
     async def _step(self, conn: _Connection, conv: _Conversation, frame: Frame, arrived: float) -> None:
+        reply: bytes | None = None
         try:
             started = time.perf_counter()
             outs = await self._call(self.backend.step, conv.key, frame.seq, list(frame.tensors))
@@ -195,14 +196,17 @@ class StreamFrontend:
             self.metrics.chunks.inc()
             if missed:
                 self.metrics.deadline_missed.inc()
-            await self._send(conn, reply)
-            self.metrics.chunk_seconds.observe(time.perf_counter() - arrived)
         except Exception as e:  # the backend refused or raised: the conversation is as before the chunk
             conv.seq = frame.seq
-            await self._error(conn, _as_protocol_error(e, conv.wire, frame.seq))
-        finally:
+            error = _as_protocol_error(e, conv.wire, frame.seq)
+        finally:  # done before the reply goes: the client may send the next chunk the moment it has it
             conv.task = None
             conn.in_flight -= 1
+        if reply is None:
+            await self._error(conn, error)
+            return
+        await self._send(conn, reply)
+        self.metrics.chunk_seconds.observe(time.perf_counter() - arrived)
 
     # ------------------------------------------------------------------ control messages
     async def _on_control(self, conn: _Connection, msg: dict) -> None:

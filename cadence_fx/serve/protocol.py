@@ -30,6 +30,7 @@ who write clients in other languages and by the front end; a client needs this f
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 import json
@@ -359,6 +360,7 @@ class StreamClient:
         self.max_bytes = max_bytes
         self.pending: list[Frame | dict] = []
         self._refs = itertools.count(1)
+        self._reading = asyncio.Lock()
 
     async def request(self, kind: str, **fields: Any) -> dict:
         """Send one control message; its reply (an ``error`` reply raises)."""
@@ -397,12 +399,16 @@ class StreamClient:
         return await self.result(conv, seq)
 
     async def expect(self, match: Callable[[Frame | dict], bool]) -> Any:
-        """The first message (waiting or arriving) that ``match`` accepts."""
-        for i, m in enumerate(self.pending):
-            if match(m):
-                return self.pending.pop(i)
+        """The first message (waiting or arriving) that ``match`` accepts. Coroutines may wait at once
+        (one reads the connection at a time; each takes what is its own)."""
         while True:
-            raw = await self.ws.recv()
+            for i, m in enumerate(self.pending):
+                if match(m):
+                    return self.pending.pop(i)
+            async with self._reading:
+                if any(match(m) for m in self.pending):  # another reader got it meanwhile
+                    continue
+                raw = await self.ws.recv()
             m = (decode_frame(raw, max_bytes=self.max_bytes, kinds=(OUTPUT,)) if isinstance(raw, (bytes, bytearray))
                  else _decode_reply(raw))
             if match(m):
