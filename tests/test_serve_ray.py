@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import cadence_fx as cf  # noqa: E402
+from cadence_fx.serve import wire  # noqa: E402
 from cadence_fx.serve.checkpoints import CheckpointPolicy  # noqa: E402
 from cadence_fx.serve.controller import ControllerConfig, start_controller  # noqa: E402
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, SequenceError,  # noqa: E402
@@ -59,6 +60,7 @@ def cluster():
         c.add_node(num_cpus=1, object_store_memory=100 << 20)
     ray.init(address=c.address, log_to_driver=False)
     c.wait_for_nodes()
+    wire.install()
     yield c
     ray.shutdown()
     c.shutdown()
@@ -321,6 +323,8 @@ def test_failover_after_ray_kill_during_traffic_loses_and_duplicates_nothing(ctl
     assert not st["workers"][victim]["alive"] and victim not in affinity(ctl).values()
     resumed = [r for r in ray.get(ctl.resumes.remote()) if r["from"] == victim]
     assert resumed and all(r["replayed"] <= K and r["to"] != victim for r in resumed)
+    # from a checkpoint (not the prompt), with the chunks since re-run
+    assert any(r["base_seq"] > 0 for r in resumed) and any(r["replayed"] > 0 for r in resumed), resumed
     s.check()
     s.close()
     ray.get(ctl.add_worker.remote(worker_config(demo), "worker-3", OPTIONS))  # a replacement

@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from cadence_fx.serve import wire
 from cadence_fx.serve.checkpoints import CheckpointPolicy, Failover, Journal, put_checkpoint
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            ConversationState, NoWorkers, StepResult, UnknownConversation,
@@ -94,6 +95,7 @@ class ServeController(Moves, Failover):
     """Placement, routing, checkpoints and failover for conversations on :class:`ConversationWorker` s."""
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
+        wire.install()  # chunks and their outputs cross as numpy arrays
         self.config = config or ControllerConfig()
         self._workers: dict[str, _Worker] = {}
         self._convs: dict[str, _Conv] = {}

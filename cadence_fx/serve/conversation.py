@@ -122,7 +122,8 @@ class StepResult:
 
     ``digest``: SHA-256 of the outputs, kept by the controller until the next checkpoint so a chunk
     re-run after a failover is checked against what the client got. ``worker_s``: seconds inside the
-    worker's call (what the routing overhead is measured against).
+    worker's call (what the controller's routing overhead is measured against); ``call_s``: of those,
+    the session call with its outputs on the host (what an in-process server would pay for the chunk).
     """
 
     conv_id: str
@@ -131,3 +132,4 @@ class StepResult:
     digest: str
     worker: str
     worker_s: float
+    call_s: float = 0.0

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import ray
@@ -38,6 +38,7 @@ from cadence_fx.runtime.sessions import Session, Snapshot
 from cadence_fx.serve.calibration import Calibration, given_capacity, measure_capacity, percentile
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            ConversationState, StepResult, UnknownConversation, sequence_error)
+from cadence_fx.serve import wire
 from cadence_fx.serve.layout import StepLayout
 
 __all__ = ["ConversationWorker", "WorkerConfig", "WorkerStatus", "worker_actor"]
@@ -111,6 +112,7 @@ class ConversationWorker:
 
     def __init__(self, config: WorkerConfig, name: str = "worker") -> None:
         t0 = time.perf_counter()
+        wire.install()  # host tensors cross processes as numpy arrays (torch's pickle costs ~0.25 ms each)
         self.config, self.name = config, name
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -160,17 +162,19 @@ class ConversationWorker:
             if seq != conv.next_seq:
                 raise sequence_error(conv_id, seq, conv.next_seq)
             chunk = [self._to_device(x) for x in self.layout.chunk_inputs(inputs)]
+            t_call = time.perf_counter()
             with self._running():
                 out = conv.session(*self.layout.call_args(chunk, conv.state))
             visible, conv.state = self.layout.split_outputs(out)
-            outputs = tuple(_to_host(o) for o in visible)
+            outputs = tuple(_to_host(o) for o in visible)  # waits for the device: the outputs are on the host
+            call_s = time.perf_counter() - t_call
             conv.next_seq = seq + 1
         digest = sha256_tensors(o for o in outputs if isinstance(o, torch.Tensor))
         took = time.perf_counter() - t0
         with self._lock:
             self._chunk_ms.append(took * 1e3)
             self._chunks += 1
-        return StepResult(conv_id, seq, outputs, digest, self.name, took)
+        return StepResult(conv_id, seq, outputs, digest, self.name, took, call_s)
 
     def replay(self, conv_id: str, chunks: Sequence[tuple[int, Any]]) -> list[str]:
         """Re-run journal chunks ``(seq, inputs)`` in order after a resume (one call, not one per chunk);
@@ -179,10 +183,12 @@ class ConversationWorker:
 
     def snapshot(self, conv_id: str) -> ConversationState:
         """The conversation's state now (a turn boundary), on the host; the conversation goes on here."""
+        t0 = time.perf_counter()
         conv = self._get(conv_id)
         with conv.lock:
             snap = conv.session.snapshot(device="cpu")
-            return ConversationState.of(conv_id, snap, next_seq=conv.next_seq, seed=conv.seed)
+            state = ConversationState.of(conv_id, snap, next_seq=conv.next_seq, seed=conv.seed)
+        return replace(state, meta={"export_s": time.perf_counter() - t0})
 
     def restore(self, conv_id: str, state: ConversationState) -> None:
         """Put ``conv_id`` back to ``state`` (a barge-in: back to a turn boundary): its regions, random
@@ -230,6 +236,12 @@ class ConversationWorker:
                             self.capacity, self.calibration, convs, load, busy, self._times["ready_s"],
                             self._times["load_s"], self._times["warmup_s"], self._times["calibrate_s"], chunks,
                             percentile(recent, 50), percentile(recent, 99))
+
+    def example(self) -> tuple[list[Any], dict[str, torch.Tensor]]:
+        """What a chunk carries and an initial state, on the host: the config's example and prompt, or
+        zeros of the first class's shapes (what the benchmark sends to an artifact it knows nothing of)."""
+        prompt = self.layout.prompt(self.config.prompt, self.regions, self._zero_state)
+        return [_to_host(x) for x in self._example], {n: _to_host(t) for n, t in prompt.items()}
 
     def ping(self) -> str:
         return self.name
