@@ -469,7 +469,8 @@ def test_deadline_is_flagged_and_counted(server, solo):
 
 def test_a_client_that_disconnects_mid_chunk_frees_its_conversations(server):
     assert _wait_metric(server, "cadence_frontend_conversations", lambda v: v == 0) == 0  # earlier tests' gone
-    start = _metrics(server)["cadence_frontend_backend_conversations"]
+    m = _metrics(server)
+    start, chunks = m["cadence_frontend_backend_conversations"], m["cadence_frontend_chunks_total"]
 
     async def main():
         ws, client = await _connect(server)
@@ -485,3 +486,4 @@ def test_a_client_that_disconnects_mid_chunk_frees_its_conversations(server):
     assert _wait_metric(server, "cadence_frontend_backend_conversations", lambda v: v == start) == start
     m = _metrics(server)
     assert m["cadence_frontend_conversations"] == start and m["cadence_frontend_connections"] == 0
+    assert m["cadence_frontend_chunks_total"] == chunks + 2  # the chunks ran to the end, then the sessions closed

@@ -252,18 +252,25 @@ class StreamFrontend:
             raise ProtocolError(ErrorCode.BAD_MESSAGE, f"deadline_ms {deadline_ms} (0 < deadline_ms <= "
                                 f"{cfg.max_deadline_ms})")
         wire = next(self._ids)
-        key = f"{self._tag}-{wire}"
+        conv = _Conversation(wire, f"{self._tag}-{wire}", [], deadline_ms / 1e3)
         prompt = {} if msg.get("prompt") is None else {"prompt": msg["prompt"]}
-        try:
-            info = dict(await self._call(self.backend.open, key, msg.get("seed"), **prompt))
-            inputs = spec_from_json(info.pop("inputs"))
-        except Exception as e:
-            raise _as_protocol_error(e, None, None) from None
-        conn.convs[wire] = _Conversation(wire, key, inputs, deadline_ms / 1e3)
-        self.metrics.opened.inc()
+        # the open is the conversation's task in flight: a disconnect meanwhile closes it once it is open
+        opening = conv.task = asyncio.ensure_future(self._call(self.backend.open, conv.key, msg.get("seed"), **prompt))
+        conn.convs[wire] = conv
         self.metrics.conversations.inc()
-        fields = {**info, "conv": wire, "version": VERSION, "inputs": spec_to_json(inputs), "deadline_ms": deadline_ms,
-                  "max_frame_bytes": cfg.max_frame_bytes, "ref": ref}
+        try:
+            info = dict(await asyncio.shield(opening))
+            conv.inputs = spec_from_json(info.pop("inputs"))
+        except Exception as e:
+            del conn.convs[wire]
+            self.metrics.conversations.dec()
+            if opening.exception() is None:  # open, but what it said is unusable
+                await self._call(self.backend.close, conv.key)
+            raise _as_protocol_error(e, None, None) from None
+        conv.task = None
+        self.metrics.opened.inc()
+        fields = {**info, "conv": wire, "version": VERSION, "inputs": spec_to_json(conv.inputs),
+                  "deadline_ms": deadline_ms, "max_frame_bytes": cfg.max_frame_bytes, "ref": ref}
         await self._send(conn, encode_control("opened", **fields))
 
     # ------------------------------------------------------------------ plumbing
