@@ -14,7 +14,8 @@ its first class's shapes, with no exactness gate), a controller and two workers 
   client latency per chunk, and the overhead it adds per chunk over the in-process cost of the same
   chunk (the session call with its outputs on the host, timed inside the worker: ``StepResult.call_s``),
   p50/p99; ``direct``: the same to the worker's handle without the controller (one hop, no journal);
-  ``local``: the session call in this process (demo sizes only);
+  ``ping``: an actor call that does nothing, to the worker and to the controller (Ray's floor per
+  hop on this machine); ``local``: the session call in this process (demo sizes only);
 - ``migration``: ``--moves`` moves of a live conversation between the two workers (export, object
   store, import, close), with a chunk between each, p50 seconds and the state's bytes;
 - ``checkpoint``: ``--checkpoints`` checkpoints (the controller's seconds: export, transfer, ``ray.put``;
@@ -75,7 +76,7 @@ class Model:
 
     def chunk(self, seed: int, k: int) -> list[torch.Tensor]:
         if self.cfg is None:
-            return self.example[0]
+            return list(self.example[0].values())
         g = torch.Generator().manual_seed(seed * 1000 + k)
         return [torch.randn(1, self.cfg.chunk, self.cfg.dim, generator=g) for _ in range(2)]
 
@@ -170,7 +171,17 @@ def run_size(model: Model, args: argparse.Namespace, index: int) -> dict[str, An
             dlat.append(time.perf_counter() - t)
             dadded.append(dlat[-1] - res.call_s)
     ray.get(worker.close.remote("direct"))
+    floor = {}
+    for what, call in (("worker", worker.ping), ("controller", ctl.ping)):
+        ts = []
+        for i in range(args.chunks + 10):
+            t = time.perf_counter()
+            ray.get(call.remote())
+            if i >= 10:
+                ts.append(time.perf_counter() - t)
+        floor[what] = ms(ts)
     row["routing"] = {"latency": ms(lat), "added": ms(added), "direct_latency": ms(dlat), "direct_added": ms(dadded),
+                      "ping": floor,
                       "controller_overhead": ray.get(ctl.status.remote())["metrics"]["routing"],
                       "local": local_baseline(model, args) if model.eps is not None and args.local else None}
 

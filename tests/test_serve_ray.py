@@ -10,8 +10,10 @@ while chunks of several conversations are in flight.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -379,3 +381,69 @@ def test_metrics_in_prometheus_text(ctl, demo):
     assert events["checkpoint"]["count"] > 0 and events["migration"]["count"] > 0 and events["resume"]["count"] > 0
     s.check()
     s.close()
+
+
+# --------------------------------------------------------------------------- the front end's seam
+def test_ray_backend_is_the_front_ends_seam(ctl, demo):
+    from cadence_fx.serve.protocol import ErrorCode, ProtocolError, TensorSpec
+    from cadence_fx.serve.ray_backend import RayBackend, demo_prompt
+
+    chunk, _state = ray.get(ctl.example.remote())
+    backend = RayBackend(ctl, [TensorSpec.of(n, t) for n, t in chunk.items()], demo_prompt)
+
+    async def step(k):
+        return (await backend.step("fe", k, list(demo_inputs(CFG, 7, k))))[0]
+
+    async def expect(code, call):
+        with pytest.raises(ProtocolError) as e:
+            await call
+        assert e.value.code == code, e.value
+
+    async def run():
+        opened = await backend.open("fe", 7, 7)  # seed 7, prompt 7: the module's prompt(model, 7)
+        assert [i["name"] for i in opened["inputs"]] == ["tokens", "noise"] and backend.open_count() == 1
+        frames = [await step(k) for k in range(3)]
+        token = await backend.snapshot("fe")
+        frames += [await step(3), await step(4)]
+        assert await backend.restore("fe", token) == 3  # barge-in: back to chunk 3, the same bytes again
+        assert [torch.equal(await step(k), frames[k]) for k in (3, 4)] == [True, True]
+        await expect(ErrorCode.BAD_SEQUENCE, backend.step("fe", 9, list(demo_inputs(CFG, 7, 9))))
+        await expect(ErrorCode.UNKNOWN_CONVERSATION, backend.step("nobody", 0, list(demo_inputs(CFG, 7, 0))))
+        await expect(ErrorCode.UNKNOWN_SNAPSHOT, backend.restore("fe", "no-such-token"))
+        await expect(ErrorCode.BAD_PROMPT, backend.open("fe2", 1, 5000))
+        await backend.close("fe")
+        await backend.close("fe")  # closing a closed conversation is a no-op
+        await expect(ErrorCode.CONVERSATION_CLOSED, backend.step("fe", 5, list(demo_inputs(CFG, 7, 5))))
+        assert backend.open_count() == 0
+        return frames
+
+    assert sha256(asyncio.run(run())) == solo_digest(demo, 7, 5)
+
+
+def test_the_front_end_streams_through_the_ray_workers(ctl, demo):
+    serve = pytest.importorskip("ray.serve")
+    websockets = pytest.importorskip("websockets")
+    from cadence_fx.serve import frontend
+    from cadence_fx.serve.protocol import StreamClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(frontend.app("cadence_fx.serve.ray_backend:ray_backend",
+                               {"prompt": "cadence_fx.serve.ray_backend:demo_prompt"}, {"deadline_ms": 60_000},
+                               ray_actor_options={"num_cpus": 0}), name="serve-ray-test", route_prefix="/")
+
+        async def run():
+            async with websockets.connect(f"ws://127.0.0.1:{port}/v1/stream", max_size=None) as ws:
+                client = StreamClient(ws)
+                conv = (await client.open(seed=8, prompt=8))["conv"]
+                frames = [(await client.chunk(conv, k, list(demo_inputs(CFG, 8, k)))).tensors[0] for k in range(6)]
+                await client.close(conv)
+                return frames
+
+        frames = asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        serve.shutdown()
+    assert sha256(frames) == solo_digest(demo, 8, 6)

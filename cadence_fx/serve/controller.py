@@ -12,7 +12,9 @@ client sees one answer per chunk, bit-identical to an uninterrupted run.
 It is an async actor: chunks of different conversations run concurrently (each worker runs as many
 at once as it has lanes), while the calls on one conversation are serialized by its own lock, held
 from the sequence check to the journal entry. Migration, drain and rebalance
-(:class:`~cadence_fx.serve.migration.Moves`) hold the same lock, so a move happens between two chunks.
+(:class:`~cadence_fx.serve.migration.Moves`) and turn boundaries (:class:`~cadence_fx.serve.turns.Turns`:
+snapshots, restores, checkpoints) hold the same lock, so they happen between two chunks. Failover is
+:class:`~cadence_fx.serve.checkpoints.Failover`'s.
 Placement rules are :mod:`cadence_fx.serve.placement`'s; what is measured, :mod:`cadence_fx.serve.metrics`.
 
 The controller is a single actor: it is not replicated (a lost controller loses the affinity table and
@@ -26,7 +28,7 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import ray
@@ -35,11 +37,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from cadence_fx.serve import wire
 from cadence_fx.serve.checkpoints import CheckpointPolicy, Failover, Journal, put_checkpoint
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
-                                           ConversationState, NoWorkers, StepResult, UnknownConversation,
+                                           NoWorkers, StepResult, UnknownConversation,
                                            sequence_error)
 from cadence_fx.serve.metrics import ServeMetrics
 from cadence_fx.serve.migration import MoveReport, Moves
 from cadence_fx.serve.placement import WorkerView, choose
+from cadence_fx.serve.turns import Turns
 from cadence_fx.serve.worker import WorkerConfig, WorkerStatus, worker_actor
 
 __all__ = ["CONTROLLER_NAME", "ControllerConfig", "ServeController", "get_controller", "start_controller"]
@@ -89,9 +92,10 @@ class _Conv:
     opened_at: float
     next_seq: int = 0
     closed: bool = False
+    snapshots: collections.OrderedDict[str, tuple[Any, int]] = field(default_factory=collections.OrderedDict)
 
 
-class ServeController(Moves, Failover):
+class ServeController(Moves, Failover, Turns):
     """Placement, routing, checkpoints and failover for conversations on :class:`ConversationWorker` s."""
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
@@ -235,35 +239,23 @@ class ServeController(Moves, Failover):
             conv.cond.notify_all()
         await self._notify_room()
 
-    async def snapshot(self, conv_id: str) -> ConversationState:
-        """The conversation's state now (a turn boundary), for a later :meth:`restore` (keep the object
-        ref: the state stays in the object store)."""
-        conv = self._conv(conv_id)
-        async with conv.cond:
-            state: ConversationState = await self._on_worker(conv, lambda h: h.snapshot.remote(conv_id))
-            return state
-
-    async def restore(self, conv_id: str, state: ConversationState) -> int:
-        """Rewind ``conv_id`` to ``state`` (a barge-in): its next chunk is the snapshot's ``next_seq``. The
-        restored state is the conversation's new checkpoint (the journal's chunks after it are of the
-        abandoned future and are dropped). Returns the next chunk's number."""
-        conv = self._conv(conv_id)
-        if state.conv_id != conv_id:
-            state = replace(state, conv_id=conv_id)
-        async with conv.cond:
-            await self._on_worker(conv, lambda h: h.restore.remote(conv_id, state))
-            conv.journal.rebased(put_checkpoint(state), state.next_seq)
-            conv.next_seq = state.next_seq
-            conv.cond.notify_all()
-            return conv.next_seq
-
-    async def checkpoint(self, conv_id: str) -> int:
-        """Checkpoint ``conv_id`` now; returns the sequence number it resumes at."""
-        conv = self._conv(conv_id)
-        async with conv.cond:
-            return await self._checkpoint_locked(conv)
-
     # ------------------------------------------------------------------ reading
+    async def ping(self) -> str:
+        """Nothing: one actor call's floor (what the benchmark subtracts to split routing's cost)."""
+        return "controller"
+
+    async def example(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a chunk carries (by input name) and an initial state, from a live worker
+        (:meth:`ConversationWorker.example`): a front end's chunk spec."""
+        for w in self._workers.values():
+            if w.alive:
+                try:
+                    example: tuple[dict[str, Any], dict[str, Any]] = await w.handle.example.remote()
+                    return example
+                except RayActorError as e:
+                    self._worker_died(w.name, e)
+        raise NoWorkers("no live worker to read the chunk's inputs off")
+
     async def affinity(self) -> dict[str, str]:
         """Conversation -> the worker holding its state."""
         return {c: conv.worker for c, conv in self._convs.items()}

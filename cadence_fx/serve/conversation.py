@@ -30,7 +30,8 @@ from cadence_fx.runtime.rng import RngStates
 from cadence_fx.runtime.sessions import Snapshot
 
 __all__ = ["AdmissionRefused", "ConversationClosed", "ConversationExists", "ConversationState", "NoWorkers",
-           "ReplayDiverged", "SequenceError", "StepResult", "UnknownConversation", "sequence_error"]
+           "ReplayDiverged", "SequenceError", "StepResult", "UnknownConversation", "UnknownSnapshot",
+           "sequence_error"]
 
 
 class SequenceError(ValueError):
@@ -46,6 +47,10 @@ class UnknownConversation(LookupError):
 
 class ConversationClosed(UnknownConversation):
     """A call for a conversation that was closed."""
+
+
+class UnknownSnapshot(LookupError):
+    """A restore token the conversation does not hold (never taken, or dropped as one of the oldest)."""
 
 
 class ConversationExists(ValueError):

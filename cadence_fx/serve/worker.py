@@ -237,11 +237,13 @@ class ConversationWorker:
                             self._times["load_s"], self._times["warmup_s"], self._times["calibrate_s"], chunks,
                             percentile(recent, 50), percentile(recent, 99))
 
-    def example(self) -> tuple[list[Any], dict[str, torch.Tensor]]:
-        """What a chunk carries and an initial state, on the host: the config's example and prompt, or
-        zeros of the first class's shapes (what the benchmark sends to an artifact it knows nothing of)."""
+    def example(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What a chunk carries (by input name, in order) and an initial state (by region), on the host:
+        the config's example and prompt, or zeros of the first class's shapes (what a front end reads
+        its chunk spec off, and what the benchmark sends to an artifact it knows nothing of)."""
         prompt = self.layout.prompt(self.config.prompt, self.regions, self._zero_state)
-        return [_to_host(x) for x in self._example], {n: _to_host(t) for n, t in prompt.items()}
+        chunk = {n: _to_host(x) for n, x in zip(self.layout.chunk_names, self._example)}
+        return chunk, {n: _to_host(t) for n, t in prompt.items()}
 
     def ping(self) -> str:
         return self.name
