@@ -186,9 +186,12 @@ class StreamFrontend:
     async def _step(self, conn: _Connection, conv: _Conversation, frame: Frame, arrived: float) -> None:
         reply: bytes | None = None
         try:
-            started = time.perf_counter()
-            outs = await self._call(self.backend.step, conv.key, frame.seq, list(frame.tensors))
-            step_s = time.perf_counter() - started
+            args = (conv.key, frame.seq, list(frame.tensors))
+            if inspect.iscoroutinefunction(self.backend.step):
+                started = time.perf_counter()
+                outs, step_s = await self.backend.step(*args), time.perf_counter() - started
+            else:  # timed in the pool thread: the hand-off is the front end's time, not the step's
+                outs, step_s = await self._call(_timed, self.backend.step, *args)
             missed = time.perf_counter() - arrived > conv.deadline_s
             reply = encode_frame(OUTPUT, conv.wire, frame.seq, list(outs), flags=DEADLINE_MISSED if missed else 0,
                                  micros=round(step_s * 1e6))
@@ -317,6 +320,12 @@ class StreamFrontend:
         return prom.generate_latest(self.registry)
 
 
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - started
+
+
 def _as_protocol_error(e: Exception, conv: int | None, seq: int | None) -> ProtocolError:
     if isinstance(e, ProtocolError):
         return ProtocolError(e.code, e.message, conv=conv if conv is not None else e.conv, seq=seq)
@@ -334,7 +343,7 @@ def resolve_backend(factory: str | Callable[..., Any], kwargs: Mapping[str, Any]
     """The backend ``factory(**kwargs)`` builds (``factory`` a callable or ``"module:attr"``)."""
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
-        factory = getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(module), attr)(**dict(kwargs or {}))
     return factory(**dict(kwargs or {}))
 
 
@@ -364,7 +373,8 @@ def app(factory: str | Callable[..., Any] = "cadence_fx.serve.local_backend:demo
     """The bound application (``serve.run(app(...), route_prefix="/")``); ``options`` go to
     ``StreamDeployment.options`` (``num_replicas``, ``max_ongoing_requests``, ``ray_actor_options``)."""
     config = asdict(config) if isinstance(config, FrontendConfig) else dict(config or {})
-    deployment = StreamDeployment.options(**options) if options else StreamDeployment
+    deployment: Any = StreamDeployment  # a serve Deployment (the decorator's), typed as the class
+    deployment = deployment.options(**options) if options else deployment
     return deployment.bind(factory, dict(kwargs or {}), config)
 
 

@@ -74,7 +74,10 @@ class LocalBackend:
         if [s.name for s in self.chunk_inputs] != [n for n in names if n not in self._region_of]:
             raise ValueError(f"LocalBackend: chunk inputs {[s.name for s in self.chunk_inputs]} are not the "
                              f"program's non-state inputs {[n for n in names if n not in self._region_of]}")
-        self._state_outputs = {r.output for r in self.regions}
+        self._output_of = {r.name: int(r.output) for r in self.regions if r.output is not None}
+        if len(self._output_of) < len(self.regions):
+            raise ValueError("LocalBackend: every region needs its output index")
+        self._state_outputs = set(self._output_of.values())
         self._convs: dict[str, _Conversation] = {}
         self._lock = threading.Lock()
         self.closed_total = 0
@@ -103,7 +106,7 @@ class LocalBackend:
                     for n in self.program.input_names]
             out = conv.session(*args)  # raises: the session is as it was (a transaction)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            conv.state = {r.name: outs[r.output] for r in self.regions}
+            conv.state = {name: outs[j] for name, j in self._output_of.items()}
             conv.seq += 1
             return [t for j, t in enumerate(outs) if j not in self._state_outputs]
 

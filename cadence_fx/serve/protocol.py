@@ -190,16 +190,16 @@ def decode_frame(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_F
     for i in range(count):
         if pos + 2 > n:
             raise ProtocolError(ErrorCode.TRUNCATED, f"frame ends inside tensor {i}'s descriptor", conv=conv, seq=seq)
-        code, rank = data[pos], data[pos + 1]
-        if code not in DTYPE_CODES:
-            raise ProtocolError(ErrorCode.BAD_DTYPE, f"tensor {i}: dtype code {code} is not one of "
+        dtype_code, rank = data[pos], data[pos + 1]
+        if dtype_code not in DTYPE_CODES:
+            raise ProtocolError(ErrorCode.BAD_DTYPE, f"tensor {i}: dtype code {dtype_code} is not one of "
                                 f"{sorted(DTYPE_CODES)}", conv=conv, seq=seq)
         if rank > MAX_RANK:
             raise ProtocolError(ErrorCode.BAD_HEADER, f"tensor {i}: rank {rank} (at most {MAX_RANK})", conv=conv, seq=seq)
         if pos + 2 + 4 * rank > n:
             raise ProtocolError(ErrorCode.TRUNCATED, f"frame ends inside tensor {i}'s shape", conv=conv, seq=seq)
         shape = struct.unpack_from(f"<{rank}I", data, pos + 2)
-        shapes.append((DTYPE_CODES[code], shape))
+        shapes.append((DTYPE_CODES[dtype_code], shape))
         pos += 2 + 4 * rank
     need = pos + sum(math.prod(s) * dt.itemsize for dt, s in shapes)  # bigints: no overflow
     if need > max_bytes:
@@ -366,7 +366,10 @@ class StreamClient:
         """Send one control message; its reply (an ``error`` reply raises)."""
         ref = next(self._refs)
         await self.ws.send(encode_control(kind, ref=ref, **fields))
-        return _raise_error(await self.expect(lambda m: isinstance(m, dict) and m.get("ref") == ref))
+        msg = await self.expect(lambda m: isinstance(m, dict) and m.get("ref") == ref)
+        if msg["type"] == "error":
+            raise _error_of(msg)
+        return msg
 
     async def open(self, *, seed: int | None = None, prompt: int | None = None,
                    deadline_ms: float | None = None) -> dict:
@@ -392,7 +395,9 @@ class StreamClient:
                 return (m.conv, m.seq) == (conv, seq)
             return m.get("type") == "error" and (m.get("conv"), m.get("seq")) == (conv, seq)
         msg = await self.expect(mine)
-        return msg if isinstance(msg, Frame) else _raise_error(msg)
+        if isinstance(msg, Frame):
+            return msg
+        raise _error_of(msg)
 
     async def chunk(self, conv: int, seq: int, tensors: Sequence[torch.Tensor]) -> Frame:
         await self.send_chunk(conv, seq, tensors)
@@ -426,7 +431,6 @@ def _decode_reply(text: str) -> dict:
     return msg
 
 
-def _raise_error(msg: dict) -> dict:
-    if msg.get("type") == "error":
-        raise ProtocolError(ErrorCode(msg["code"]), msg.get("message", ""), conv=msg.get("conv"), seq=msg.get("seq"))
-    return msg
+def _error_of(msg: dict) -> ProtocolError:
+    """The :class:`ProtocolError` an ``error`` message reports."""
+    return ProtocolError(ErrorCode(msg["code"]), msg.get("message", ""), conv=msg.get("conv"), seq=msg.get("seq"))
