@@ -447,3 +447,47 @@ def test_the_front_end_streams_through_the_ray_workers(ctl, demo):
     finally:
         serve.shutdown()
     assert sha256(frames) == solo_digest(demo, 8, 6)
+
+
+def test_checkpoints_left_in_the_workers_object_store_survive_a_sigkill_of_it(cluster, tmp_path):
+    cfg = DemoConfig(dim=64, head=64, tail=64, capacity=136)  # 262 KB of state: past Ray's inline limit
+    model, contract, eps = demo_catalog(cfg)
+    path = tmp_path / "larger.cfx"
+    digest = cf.save(cf.optimize(eps, contract, replay="off"), path)["sha256"]
+    config = WorkerConfig(str(path), sha256=digest, lanes=1, replay="off", capacity=2, threads=1)
+    every = 16  # the first checkpoint after chunk 15: 147 KB of state by then
+    policy = CheckpointPolicy(every=every, store="worker")  # the bytes stay on the worker's node, not the controller's
+    ctl = start_controller([config] * 2, config=ControllerConfig(checkpoint=policy, health_interval_s=0.5),
+                           name="worker-store", worker_options=OPTIONS)
+    try:
+        state = [s + 0.03 for s in model.initial_state()]
+        ray.get(ctl.open.remote("larger", seed=3, prompt=state))
+        got = []
+
+        def run(chunks):
+            for _ in range(chunks):
+                got.append(ray.get(ctl.step.remote("larger", len(got), list(demo_inputs(cfg, 3, len(got))))).outputs[0])
+
+        run(every + 2)  # a checkpoint after chunk 15, then two chunks in the journal
+        deadline = time.monotonic() + 10
+        while ray.get(ctl.status.remote())["metrics"]["events"]["checkpoint"]["count"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        events = ray.get(ctl.status.remote())["metrics"]["events"]["checkpoint"]
+        assert events["count"] == 1 and events["bytes"] > 100 << 10
+        victim = affinity(ctl)["larger"]
+        os.kill(ray.get(ray.get(ctl.worker_handle.remote(victim)).pid.remote()), signal.SIGKILL)
+        run(4)
+        (resumed,) = [r for r in ray.get(ctl.resumes.remote()) if r["from"] == victim]
+        assert (resumed["base_seq"], resumed["replayed"]) == (every, 2)
+        ref, frames = cf.reference(eps), []
+        for k in range(len(got)):
+            tok, noise = demo_inputs(cfg, 3, k)
+            out = ref(tok, *state, noise)
+            frames.append(out[0].clone())
+            state = [t.clone() for t in out[1:]]
+        assert sha256(got) == sha256(frames)
+    finally:
+        for name, w in ray.get(ctl.status.remote())["workers"].items():
+            if w["alive"]:
+                ray.kill(ray.get(ctl.worker_handle.remote(name)))
+        ray.kill(ctl)

@@ -5,8 +5,10 @@ a base it can be rebuilt from and the chunks applied since:
 
 - the base is the conversation as opened (its seed and initial state, put in the object store once
   at ``open``), replaced by a checkpoint (:class:`~cadence_fx.serve.conversation.ConversationState`
-  exported by the worker and put in the object store by the controller, so it outlives the worker's
-  machine, not only its process) at every turn boundary the client marks and every K chunks;
+  exported by the worker) at every turn boundary the client marks and every K chunks. Its bytes are
+  put in the object store by the controller (``CheckpointPolicy.store="controller"``: it outlives the
+  worker's machine) or left in the worker node's object store (``"worker"``: no copy through the
+  controller; it outlives the worker's process, not its machine);
 - the journal keeps each chunk applied since the base: its sequence number, its inputs, and the
   SHA-256 of the outputs the client was sent.
 
@@ -53,14 +55,24 @@ DEFAULT_EVERY = 16
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """When a conversation is checkpointed: every ``every`` chunks (0: never by count) and, with
-    ``at_turn_end``, after each chunk the client marks as a turn's last."""
+    ``at_turn_end``, after each chunk the client marks as a turn's last.
+
+    ``store``: where a checkpoint's bytes live. ``"controller"`` (default): fetched by the controller
+    and put in its own node's object store, so a checkpoint outlives the worker's machine; it costs a
+    copy through the controller process. ``"worker"``: left where the worker's export put them (the
+    export's return value, owned by the controller, its bytes in the object store of the worker's
+    node): no copy through the controller, and a checkpoint outlives the worker's process (a kill, a
+    crash, the OOM killer), not its machine."""
 
     every: int = DEFAULT_EVERY
     at_turn_end: bool = True
+    store: str = "controller"
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"CheckpointPolicy.every must be >= 0, got {self.every}")
+        if self.store not in ("controller", "worker"):
+            raise ValueError(f"CheckpointPolicy.store is 'controller' or 'worker', got {self.store!r}")
 
 
 @dataclass(frozen=True)
@@ -243,12 +255,22 @@ class Failover:
             if not conv.closed and self._alive(conv.worker):
                 await self._checkpoint_locked(conv)
 
-    async def _checkpoint_locked(self, conv: Any) -> int:
+    async def _checkpoint_locked(self, conv: Any, store: str | None = None) -> int:
         t0 = time.perf_counter()
-        state: ConversationState = await self._on_worker(conv, lambda h: h.export_conversation.remote(conv.conv_id))
-        conv.journal.checkpointed(put_checkpoint(state), state.next_seq)
-        self.metrics.event("checkpoint", time.perf_counter() - t0, state.nbytes())
-        return state.next_seq
+        if (store or self.config.checkpoint.store) == "worker":
+            async def left_there(h: Any) -> tuple[Any, dict[str, Any]]:
+                state_ref, meta_ref = h.checkpoint.options(num_returns=2).remote(conv.conv_id)
+                return state_ref, await meta_ref  # only the small half comes here
+
+            ref, meta = await self._on_worker(conv, left_there)
+            seq, nbytes = int(meta["next_seq"]), int(meta["nbytes"])
+        else:
+            state: ConversationState = await self._on_worker(conv, lambda h: h.export_conversation.remote(conv.conv_id))
+            ref, seq, nbytes = put_checkpoint(state), state.next_seq, state.nbytes()
+        conv.journal.checkpointed(ref, seq)
+        self.metrics.event("checkpoint", time.perf_counter() - t0, nbytes)
+        return seq
+
 
     async def _probe(self, w: Any) -> bool:
         try:

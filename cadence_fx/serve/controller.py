@@ -365,7 +365,7 @@ def start_controller(workers: Sequence[WorkerConfig] = (), *, config: Controller
     opts: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000}
     if detached:
         opts["lifetime"] = "detached"
-    handle = ray.remote(ServeController).options(**opts).remote(config)
+    handle: Any = ray.remote(ServeController).options(**opts).remote(config)
     ray.get([handle.add_worker.remote(cfg, f"worker-{i}", worker_options) for i, cfg in enumerate(workers)])
     return handle
 

@@ -38,7 +38,7 @@ class Turns:
     if TYPE_CHECKING:
         def _conv(self, conv_id: str) -> Any: ...
         async def _on_worker(self, conv: Any, make: Callable[[Any], Awaitable[Any]]) -> Any: ...
-        async def _checkpoint_locked(self, conv: Any) -> int: ...
+        async def _checkpoint_locked(self, conv: Any, store: str | None = None) -> int: ...
 
     async def snapshot(self, conv_id: str) -> ConversationState:
         """The conversation's state now, for a later :meth:`restore` (keep the call's object ref and the
@@ -81,8 +81,9 @@ class Turns:
             conv.cond.notify_all()
             return seq
 
-    async def checkpoint(self, conv_id: str) -> int:
-        """Checkpoint ``conv_id`` now; returns the chunk number a resume would start at."""
+    async def checkpoint(self, conv_id: str, store: str | None = None) -> int:
+        """Checkpoint ``conv_id`` now (``store``: this once, where its bytes live, as
+        ``CheckpointPolicy.store``); returns the chunk number a resume would start at."""
         conv = self._conv(conv_id)
         async with conv.cond:
-            return await self._checkpoint_locked(conv)
+            return await self._checkpoint_locked(conv, store)

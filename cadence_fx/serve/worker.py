@@ -204,6 +204,12 @@ class ConversationWorker:
         snapshot and the next chunk's number. It stays open here until :meth:`close`."""
         return self.snapshot(conv_id)
 
+    def checkpoint(self, conv_id: str) -> tuple[ConversationState, dict[str, Any]]:
+        """The export and a small header of it (next chunk, bytes, seconds): called with two returns, the
+        state stays in this node's object store while the controller reads only the header."""
+        state = self.export_conversation(conv_id)
+        return state, {"next_seq": state.next_seq, "nbytes": state.nbytes(), **state.meta}
+
     def import_conversation(self, conv_id: str, state: ConversationState, *, replace: bool = False,
                             force: bool = False) -> int:
         """Open ``conv_id`` here from an exported state: its next chunk is ``state.next_seq``. Returns the
