@@ -30,7 +30,7 @@ import torch
 __all__ = ["install", "tensor_from_wire", "tensor_to_wire"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_installed: set[str] = set()  # the Ray jobs this process registered the serializer in
+_installed: set[str] = set()  # the Ray sessions (node, job) this process registered the serializer in
 _lock = threading.Lock()
 
 
@@ -68,8 +68,9 @@ def install() -> None:
     with _lock:
         if not ray.is_initialized():
             return
-        job = ray.get_runtime_context().get_job_id()
-        if job in _installed:
+        ctx = ray.get_runtime_context()
+        session = f"{ctx.get_node_id()}/{ctx.get_job_id()}"  # a fresh ray.init starts its job ids over
+        if session in _installed:
             return
         ray.util.register_serializer(torch.Tensor, serializer=tensor_to_wire, deserializer=tensor_from_wire)
-        _installed.add(job)
+        _installed.add(session)
