@@ -32,7 +32,7 @@ from cadence_fx.serve.controller import ControllerConfig, start_controller  # no
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, SequenceError,  # noqa: E402
                                            UnknownConversation)
 from cadence_fx.serve.placement import WorkerView, choose, rebalance_moves  # noqa: E402
-from cadence_fx.serve.worker import ConversationWorker, WorkerConfig  # noqa: E402
+from cadence_fx.serve.worker import ConversationWorker, WorkerConfig, share_artifact  # noqa: E402
 from cadence_fx.testing.demo_model import DemoConfig  # noqa: E402
 from tests.helpers import demo_catalog, demo_inputs, sha256  # noqa: E402
 
@@ -70,8 +70,8 @@ def cluster():
 
 def worker_config(demo, **kw) -> WorkerConfig:
     _model, _eps, path, digest = demo
-    base = dict(sha256=digest, lanes=1, replay="off", capacity=CAPACITY, threads=1)
-    return WorkerConfig(path, **{**base, **kw})
+    base = dict(artifact=path, sha256=digest, lanes=1, replay="off", capacity=CAPACITY, threads=1)
+    return WorkerConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +329,10 @@ def test_failover_after_ray_kill_during_traffic_loses_and_duplicates_nothing(ctl
     assert any(r["base_seq"] > 0 for r in resumed) and any(r["replayed"] > 0 for r in resumed), resumed
     s.check()
     s.close()
-    ray.get(ctl.add_worker.remote(worker_config(demo), "worker-3", OPTIONS))  # a replacement
+    # a replacement of two lanes, from the artifact's bytes in the object store (no shared file system)
+    shared = share_artifact(demo[2])
+    st = ray.get(ctl.add_worker.remote(worker_config(demo, artifact=shared, lanes=2), "worker-3", OPTIONS))
+    assert st.lanes == 2 and st.capacity == CAPACITY
 
 
 def test_failover_after_sigkill_of_the_worker_process_resumes_idle_ones_too(ctl, demo):

@@ -23,10 +23,12 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import ray
@@ -41,7 +43,7 @@ from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed,
 from cadence_fx.serve import wire
 from cadence_fx.serve.layout import StepLayout
 
-__all__ = ["ConversationWorker", "WorkerConfig", "WorkerStatus", "worker_actor"]
+__all__ = ["ConversationWorker", "WorkerConfig", "WorkerStatus", "share_artifact", "worker_actor"]
 
 log = logging.getLogger("cadence_fx.serve")
 
@@ -50,14 +52,15 @@ Prompt = Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | None
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """How a worker is built. ``artifact``/``sha256``: the file ``cf.save`` wrote and the digest it
-    returned (pinned: another file is refused; ``None`` skips the pin). ``capacity``: a measured N
+    """How a worker is built. ``artifact``/``sha256``: the file ``cf.save`` wrote (a path every node can
+    read, or the file's bytes in the object store: :func:`share_artifact`) and the digest it returned
+    (pinned: another file is refused; ``None`` skips the pin). ``capacity``: a measured N
     (the cadence benchmark's) or ``None`` to calibrate at start against ``deadline_s`` (the chunk
     period) up to ``calibrate_max`` conversations. ``example``/``prompt``: one chunk's inputs and an
     initial state for warm-up and calibration (default: zeros of the first class's shapes).
     ``threads``: torch's intra-op threads (CPU workers; ``None`` leaves Ray's setting)."""
 
-    artifact: str
+    artifact: Any  # a path, or an object ref of the file's bytes (share_artifact)
     sha256: str | None = None
     lanes: int = 1
     replay: str = "auto"
@@ -116,8 +119,9 @@ class ConversationWorker:
         self.config, self.name = config, name
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        self.prog = load(config.artifact, sha256=config.sha256, lanes=config.lanes, replay=config.replay,
-                         device=config.device, check_weights=config.check_weights)
+        with _artifact_file(config.artifact) as path:
+            self.prog = load(path, sha256=config.sha256, lanes=config.lanes, replay=config.replay,
+                             device=config.device, check_weights=config.check_weights)
         t_load = time.perf_counter()
         self.layout = StepLayout.of(self.prog)
         self.regions = [r.name for r in self.prog.contract.regions]
@@ -351,6 +355,28 @@ def _to_host(x: Any) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     return x.detach().cpu() if x.device.type != "cpu" else x.detach().clone()
+
+
+def share_artifact(path: str | os.PathLike[str]) -> Any:
+    """The artifact's bytes in Ray's object store (owned by the caller), for workers on machines that do
+    not see ``path``: ``WorkerConfig(share_artifact(path), sha256=...)``. Each worker writes them to a
+    file of its own, loads it (the SHA-256 pin checks what it read) and removes it."""
+    return ray.put(Path(path).read_bytes())
+
+
+@contextmanager
+def _artifact_file(artifact: Any) -> Iterator[str]:
+    if isinstance(artifact, (str, os.PathLike)):
+        yield os.fspath(artifact)
+        return
+    data = ray.get(artifact)
+    fd, path = tempfile.mkstemp(suffix=".cfx", prefix="cadence-artifact-")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def worker_actor(config: WorkerConfig, *, name: str, options: Mapping[str, Any] | None = None) -> Any:
