@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import time
@@ -29,8 +30,8 @@ import cadence_fx as cf  # noqa: E402
 from cadence_fx.serve import wire  # noqa: E402
 from cadence_fx.serve.checkpoints import CheckpointPolicy  # noqa: E402
 from cadence_fx.serve.controller import ControllerConfig, start_controller  # noqa: E402
-from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, SequenceError,  # noqa: E402
-                                           UnknownConversation)
+from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, NoWorkers,  # noqa: E402
+                                           SequenceError, UnknownConversation)
 from cadence_fx.serve.placement import WorkerView, choose, rebalance_moves  # noqa: E402
 from cadence_fx.serve.worker import ConversationWorker, WorkerConfig, share_artifact  # noqa: E402
 from cadence_fx.testing.demo_model import DemoConfig  # noqa: E402
@@ -364,6 +365,39 @@ def test_failover_after_sigkill_of_the_worker_process_resumes_idle_ones_too(ctl,
     moved = [c for c, w in placed_first.items() if w == victim and c in seeds]
     assert {r["conv_id"] for r in ray.get(ctl.resumes.remote()) if r["from"] == victim} >= set(moved)
     s.close()
+
+
+def test_moves_checkpoints_and_a_kill_at_random_during_traffic_keep_every_stream_exact(ctl, demo):
+    """Chunks of six conversations in flight while migrations, rebalances, checkpoints and a kill land
+    between them at random (seeded; ``CADENCE_SERVE_SEED`` picks another schedule: seeds 0-4 pass): each
+    is serialized with the conversation's chunks by its lock."""
+    rng = random.Random(int(os.environ.get("CADENCE_SERVE_SEED", "0")))
+    s = Streams(ctl, demo, {f"r{i}": 100 + i for i in range(6)})
+    s.open()
+    for r in range(14):
+        live = [n for n, w in ray.get(ctl.status.remote())["workers"].items() if w["alive"]]
+        refs = s.submit()
+        ops = []
+        for _ in range(rng.randint(1, 3)):
+            what, conv = rng.choice(["migrate", "migrate", "checkpoint", "rebalance"]), rng.choice(list(s.seeds))
+            if what == "migrate":
+                ops.append(ctl.migrate.remote(conv, rng.choice(live)))
+            elif what == "checkpoint":
+                ops.append(ctl.checkpoint.remote(conv, rng.choice(["controller", "worker"])))
+            else:
+                ops.append(ctl.rebalance.remote())
+        if r == 7:  # the worker holding the most of them dies with everything above in flight
+            owners = [affinity(ctl)[c] for c in s.seeds]
+            ray.kill(ray.get(ctl.worker_handle.remote(max(set(owners), key=owners.count))), no_restart=True)
+        s.collect(refs)
+        for op in ops:
+            try:
+                ray.get(op)
+            except (AdmissionRefused, NoWorkers):  # a move onto a full (or just killed) worker is refused
+                pass
+    s.check()
+    s.close()
+    ray.get(ctl.add_worker.remote(worker_config(demo), "worker-4", OPTIONS))  # a replacement
 
 
 def test_metrics_in_prometheus_text(ctl, demo):
