@@ -41,6 +41,7 @@ CFG = DemoConfig()
 K = 4  # checkpoint every K chunks in this module
 CAPACITY = 3
 OPTIONS = {"num_cpus": 0.5, "scheduling_strategy": "SPREAD"}
+HEALTH_TIMEOUT = 2.0  # a ping slower than this is a dead worker
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def worker_config(demo, **kw) -> WorkerConfig:
 @pytest.fixture(scope="module")
 def ctl(cluster, demo):
     config = ControllerConfig(checkpoint=CheckpointPolicy(every=K), reorder_s=0.05, health_interval_s=0.5,
-                              health_timeout_s=5.0)
+                              health_timeout_s=HEALTH_TIMEOUT)
     handle = start_controller([worker_config(demo)] * 3, config=config, worker_options=OPTIONS)
     yield handle
     ray.kill(handle)
@@ -365,6 +366,30 @@ def test_failover_after_sigkill_of_the_worker_process_resumes_idle_ones_too(ctl,
     moved = [c for c, w in placed_first.items() if w == victim and c in seeds]
     assert {r["conv_id"] for r in ray.get(ctl.resumes.remote()) if r["from"] == victim} >= set(moved)
     s.close()
+
+
+def test_a_hung_worker_is_found_by_its_ping_fenced_and_failed_over(ctl, demo):
+    """A worker that stops answering (SIGSTOP: a hang, not a death Ray would report) is found by the
+    controller's ping, fenced, and its conversations resumed, the chunk waiting on it included."""
+    s = Streams(ctl, demo, {f"h{i}": 120 + i for i in range(3)})
+    s.open()
+    s.run(2)
+    victim = affinity(ctl)["h0"]
+    pid = ray.get(ray.get(ctl.worker_handle.remote(victim)).pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        s.run(3)  # h0's chunk waits on the hung worker until the ping gives up on it
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # fenced by then: it is never sent anything again
+        except ProcessLookupError:
+            pass
+    assert time.monotonic() - t0 < HEALTH_TIMEOUT + 10
+    assert not ray.get(ctl.status.remote())["workers"][victim]["alive"] and victim not in affinity(ctl).values()
+    s.check()
+    s.close()
+    ray.get(ctl.add_worker.remote(worker_config(demo), "worker-5", OPTIONS))  # a replacement
 
 
 def test_moves_checkpoints_and_a_kill_at_random_during_traffic_keep_every_stream_exact(ctl, demo):
