@@ -14,11 +14,11 @@ at once as it has lanes), while the calls on one conversation are serialized by 
 from the sequence check to the journal entry. Migration, drain and rebalance
 (:class:`~cadence_fx.serve.migration.Moves`) and turn boundaries (:class:`~cadence_fx.serve.turns.Turns`:
 snapshots, restores, checkpoints) hold the same lock, so they happen between two chunks. Failover is
-:class:`~cadence_fx.serve.checkpoints.Failover`'s.
-Placement rules are :mod:`cadence_fx.serve.placement`'s; what is measured, :mod:`cadence_fx.serve.metrics`.
+:class:`~cadence_fx.serve.checkpoints.Failover`'s, the placement rules :mod:`cadence_fx.serve.placement`'s,
+what is measured :mod:`cadence_fx.serve.metrics`'s.
 
-The controller is a single actor: it is not replicated (a lost controller loses the affinity table and
-the journals; restart it as a detached actor under Ray's GCS fault tolerance to survive its node).
+The controller is a single actor, not replicated: a lost controller loses the affinity table and the
+journals (the workers' sessions survive it, unreachable). Surviving it is not done yet.
 """
 
 from __future__ import annotations
