@@ -99,15 +99,14 @@ def _mutated_buffers(ep: ExportedProgram) -> dict[str, str]:
     """Buffer name -> placeholder name of every buffer the program writes (in place or as a mutation output)."""
     sig = ep.graph_signature
     by_placeholder = {spec.arg.name: spec.target for spec in sig.input_specs if spec.kind == InputKind.BUFFER}
-    out = {fqn: None for fqn in sig.buffers_to_mutate.values()}
+    written = set(sig.buffers_to_mutate.values())
     for n in ep.graph.nodes:
         if n.op == "call_function" and is_mutating(n):
             for a in written_args(n):
                 root = storage_root(a)  # a slice assignment writes a view of the buffer
                 if root is not None and root.op == "placeholder" and root.name in by_placeholder:
-                    out[by_placeholder[root.name]] = root.name
-    names = {fqn: ph for ph, fqn in by_placeholder.items()}
-    return {fqn: names[fqn] for fqn in out if fqn in names}
+                    written.add(by_placeholder[root.name])
+    return {fqn: ph for ph, fqn in by_placeholder.items() if fqn in written}
 
 
 def _lift(ep: ExportedProgram, contract: Contract) -> tuple[ExportedProgram, tuple, BufferRegions]:
