@@ -80,6 +80,14 @@ serving process, summed over GPUs; per GPU in ``per_gpu``), GPU busy fraction, a
 
 ``--model demo`` swaps Token2Wav for the small demo decoder (``cadence_fx.testing.demo_model``), with
 ``--period`` shorter than 1 s: the CPU smoke test of the multi-process path, not a measurement.
+
+``--model moshi`` (``benchmarks/cadence_moshi.py``): a session is a Moshi full-duplex conversation at an
+80 ms cadence (``--period`` defaults to 0.08 for it): every frame, Mimi encode + ``LMGen`` step + Mimi
+decode, through one session of each of the three optimized programs (``--lanes`` lanes each); its
+bytes (every frame's tokens, then its PCM) must equal its script's solo stock run. The stock cell is
+the vendor's layout, one conversation per process (the server's warm-up and ``reset_streaming``,
+moshi's ``CUDAGraphed`` as shipped); ``--solo-stock eager`` takes the solo digests from the eager stock
+code instead. Wired, not yet measured on a GPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -132,9 +140,9 @@ def parser() -> argparse.ArgumentParser:
                          "(the first GPU count's, scaled for the others)")
     ap.add_argument("--stock-sessions", default="1,2,4,6,8", help="N for the stock cell (same form as --sessions)")
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of audio per session, so per N (default 60)")
-    ap.add_argument("--period", type=float, default=1.0,
-                    help="seconds between a session's chunks, also the deadline (1 s: one chunk is 1 s of audio; "
-                         "shorter only for smoke runs)")
+    ap.add_argument("--period", type=float, default=None,
+                    help="seconds between a session's chunks, also the deadline (default 1 s: one Token2Wav chunk is "
+                         "1 s of audio; 0.08 s for --model moshi: one frame; shorter only for smoke runs)")
     ap.add_argument("--lanes", type=int, default=4, help="lanes of the SRc program, per GPU")
     ap.add_argument("--workers", type=int, default=0, help="serving threads per GPU (default: one per lane)")
     ap.add_argument("--branches", type=int, default=1,
@@ -167,9 +175,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--solo-from", default=None,
                     help="take the solo stock digests from an earlier run's --json report instead of running them "
                          "again (the same model, dtype, sizes, chunks, scripts, torch and GPU model, else an error)")
-    ap.add_argument("--model", default="token2wav", choices=("token2wav", "demo"),
-                    help="demo: the small demo decoder, for CPU smoke tests of the process layout")
-    ap.add_argument("--reduced", action="store_true", help="reduced Token2Wav sizes (CPU smoke run)")
+    ap.add_argument("--model", default="token2wav", choices=("token2wav", "demo", "moshi"),
+                    help="demo: the small demo decoder, for CPU smoke tests of the process layout; moshi: Moshi "
+                         "full-duplex conversations (benchmarks/cadence_moshi.py)")
+    ap.add_argument("--reduced", action="store_true", help="reduced Token2Wav (or Moshi) sizes (CPU smoke run)")
+    ap.add_argument("--solo-stock", default="vendor", choices=("vendor", "eager"),
+                    help="--model moshi: the solo runs through the vendor's process (CUDA graphs as shipped, the "
+                         "server's warm-up and reset) or the eager stock code from the built state")
     ap.add_argument("--json", default=None, help="the report (rewritten after every row)")
     ap.add_argument("--rows", default=None, help="also append every row to this file (JSON lines)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -184,6 +196,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    if args.period is None:
+        args.period = 0.08 if args.model == "moshi" else 1.0
+    if args.model == "moshi":
+        if args.dtype != "float32":
+            raise SystemExit("--model moshi runs as released (LM in bf16, Mimi in fp32): no --dtype")
+        if getattr(args, "artifact", None):
+            raise SystemExit("--model moshi: no --artifact (its three programs are exported and optimized)")
+        if args.worker is not None:
+            from benchmarks.cadence_moshi import run_worker as run_moshi_worker
+
+            return run_moshi_worker(args)
     if args.model == "token2wav":
         dtype_hook(args.dtype)  # fail here, before any process starts, where there is no such path
     if args.worker is not None:
@@ -194,6 +217,9 @@ def main() -> None:
         return run_stock_child(args)
 
     run = Run(args)
+    if args.model == "moshi":  # the report's dtype field is Token2Wav's flag: say what Moshi ran as
+        run.meta["moshi"] = dict(lm_dtype="bfloat16", mimi_dtype="float32", solo_stock=args.solo_stock,
+                                 sizes="reduced" if args.reduced else "released")
     gpus = sorted({int(x) for x in args.gpus.split(",")}) if args.gpus else [max(1, len(run.visible))]
     if run.visible and max(gpus) > len(run.visible):
         raise SystemExit(f"--gpus {args.gpus}: only {len(run.visible)} GPU(s) visible")

@@ -1,4 +1,4 @@
-"""What every process of the cadence benchmark builds: the model (Token2Wav or the demo decoder).
+"""What every process of the cadence benchmark builds: the model (Token2Wav, the demo decoder, or Moshi).
 
 :class:`Bench` is what a process needs of its model: the stock step, its initial (prompt) state and
 the catalog to optimize. :func:`child_setup` is the set-up every model-building process runs first,
@@ -46,6 +46,10 @@ def dtype_hook(dtype: str) -> dict:
 def build_bench(args, device: str) -> Bench:
     if args.model == "demo":
         return _demo_bench(device)
+    if args.model == "moshi":  # the stock and solo processes' Moshi (the SRc worker's: benchmarks/cadence_moshi.py)
+        from benchmarks.cadence_moshi import stock_bench
+
+        return stock_bench(args, device)
     t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, **dtype_hook(args.dtype))
     state0 = step.setup(tokens, mel, spk)
 

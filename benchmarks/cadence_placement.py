@@ -41,6 +41,8 @@ def child_env(visible: list[str], g: int) -> dict:
 def passthrough(args) -> list[str]:
     """The flags every child gets from the coordinator's command line: the model and the traffic."""
     out = ["--model", args.model, "--dtype", args.dtype, "--scripts", str(args.scripts), "--period", str(args.period)]
+    if args.model == "moshi":
+        out += ["--solo-stock", getattr(args, "solo_stock", None) or "vendor"]
     return out + (["--reduced"] if args.reduced else [])
 
 

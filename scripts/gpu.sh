@@ -9,6 +9,9 @@
 #   FRAMES=1000 scripts/gpu.sh moshi B0,vendor,S,R,SR   Moshi cells, each in a fresh process (benchmarks/moshi.py;
 #                                  needs moshi 0.2.13: its wheel in .whl/ or .upstream/moshi-0.2.13)
 #   MOSHI_FLAGS="--memory-peak $OUT/moshi-peak.txt" FRAMES=100 scripts/gpu.sh moshi SR,vendor   what each peak holds
+#   scripts/gpu.sh moshi-cadence --sessions 12,16,20,24 --stock-sessions 1,2,3 --lanes 16 --time-budget 500
+#                                  Moshi conversations per GPU at 80 ms (benchmarks/cadence.py --model moshi; needs
+#                                  moshi 0.2.13 as for `moshi`): moshi-cadence.json, moshi-cadence-rows.jsonl, .log
 #   scripts/gpu.sh cold [--chunks 4]   cold start: export, optimize, save, then load + capture + first chunk
 #                                      in a fresh process (benchmarks/cold_start.py), about 3 minutes
 #   scripts/gpu.sh code2wav --cells stock,stockb,buckets,cadence --chunks 20   Qwen3-Omni's Code2Wav at released
@@ -41,9 +44,11 @@ case "${1:-}" in
            --rows "$OUT/moshi-rows.jsonl" --json "$OUT/moshi.json" 2>&1 | tee -a "$OUT/moshi.log" ;;
   cadence) shift; python3 benchmarks/cadence.py --json "$OUT/cadence.json" --rows "$OUT/cadence-rows.jsonl" "$@" 2>&1 \
              | tee -a "$OUT/cadence.log" ;;
+  moshi-cadence) shift; python3 benchmarks/cadence.py --model moshi --json "$OUT/moshi-cadence.json" \
+                   --rows "$OUT/moshi-cadence-rows.jsonl" "$@" 2>&1 | tee -a "$OUT/moshi-cadence.log" ;;
   cold) shift; python3 benchmarks/cold_start.py --json "$OUT/cold_start.json" "$@" 2>&1 | tee -a "$OUT/cold_start.log" ;;
   code2wav) shift; python3 benchmarks/code2wav.py --json "$OUT/code2wav.json" --rows "$OUT/code2wav-rows.jsonl" "$@" 2>&1 \
               | tee -a "$OUT/code2wav.log" ;;
-  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags]" >&2
+  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | moshi-cadence [flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags]" >&2
      exit 2 ;;
 esac

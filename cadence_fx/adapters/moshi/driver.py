@@ -23,7 +23,7 @@ from cadence_fx.adapters.moshi.steps import LMStep, MimiDecodeStep, MimiEncodeSt
 from cadence_fx.runtime.backends import CudaGraphBackend
 
 __all__ = ["Frame", "StreamSteps", "build_steps", "install_state", "reset_host_counters", "step_frame", "step_stream",
-           "stock_stream",
+           "stock_frame", "stock_stream",
            "user_audio"]
 
 
@@ -100,22 +100,31 @@ def stock_stream(steps: StreamSteps, state: Mapping[str, Mapping[str, torch.Tens
     """
     for name in ("encode", "lm", "decode"):
         install_state(getattr(steps, name), state[name])
-    mimi, gen = steps.decode.module, steps.lm.gen
     frames = []
     with upstream_eager(steps.lm.up, cuda_graph=cuda_graph), torch.no_grad():
         for k, x in enumerate(pcm):
-            codes = mimi.encode(x)
-            out = gen.step(codes)
-            if (out is None) != (k < steps.max_delay):
-                raise RuntimeError(f"frame {k}: LMGen.step returned {'None' if out is None else 'tokens'}, expected "
-                                   f"tokens from frame {steps.max_delay} on")
-            tokens = steps.lm.as_tokens(out, codes.shape[0], codes.device)
-            pcm_out = mimi.decode(tokens[:, 1:]) if out is not None else None
-            frame = Frame(tokens, pcm_out)
+            frame = stock_frame(steps, x, k)
             if on_frame is not None:
                 on_frame(k, frame)
-            frames.append(Frame(tokens.clone(), None if pcm_out is None else pcm_out.clone()))
+            frames.append(Frame(frame.tokens.clone(), None if frame.pcm is None else frame.pcm.clone()))
     return frames
+
+
+def stock_frame(steps: StreamSteps, pcm: torch.Tensor, k: int) -> Frame:
+    """Frame ``k`` of a stream the stock way, on the upstream modules' own state (inside
+    ``upstream_eager`` and ``no_grad``, as :func:`stock_stream` calls it). The frame's tensors are the
+    modules' outputs (with the vendor's graphs, Mimi's decode is a graph's static output: clone to keep it).
+
+    Raises ``RuntimeError`` if ``LMGen.step`` returns ``None`` on another frame than the first ``max_delay``.
+    """
+    mimi, gen = steps.decode.module, steps.lm.gen
+    codes = mimi.encode(pcm)
+    out = gen.step(codes)
+    if (out is None) != (k < steps.max_delay):
+        raise RuntimeError(f"frame {k}: LMGen.step returned {'None' if out is None else 'tokens'}, expected "
+                           f"tokens from frame {steps.max_delay} on")
+    tokens = steps.lm.as_tokens(out, codes.shape[0], codes.device)
+    return Frame(tokens, mimi.decode(tokens[:, 1:]) if out is not None else None)
 
 
 Call = Callable[..., Sequence[torch.Tensor]]
