@@ -13,9 +13,12 @@ its first class's shapes, with no exactness gate), a controller and two workers 
 - ``routing``: ``--chunks`` chunks of one conversation, one after another, through the controller:
   client latency per chunk, and the overhead it adds per chunk over the in-process cost of the same
   chunk (the session call with its outputs on the host, timed inside the worker: ``StepResult.call_s``),
-  p50/p99; ``direct``: the same to the worker's handle without the controller (one hop, no journal);
-  ``ping``: an actor call that does nothing, to the worker and to the controller (Ray's floor per
-  hop on this machine); ``local``: the session call in this process (demo sizes only);
+  p50/p99; ``router``: the same through a ``Router`` in this process (one hop to the worker, the
+  journal kept here, checkpoints asked for every K chunks without waiting, latencies reported in
+  batches: the one-hop path); ``direct``: the same to the worker's handle without the controller
+  (one hop, no journal, no checkpoints); ``ping``: an actor call that does nothing, to the worker and
+  to the controller (Ray's floor per hop on this machine, p50 and p99); ``local``: the session call in
+  this process (demo sizes only);
 - ``migration``: ``--moves`` moves of a live conversation between the two workers (export, object
   store, import, close), with a chunk between each, p50 seconds and the state's bytes;
 - ``checkpoint``: ``--checkpoints`` checkpoints of each store (``controller``: export, transfer,
@@ -57,6 +60,7 @@ from cadence_fx.determinism import sha256_tensors  # noqa: E402
 from cadence_fx.serve.checkpoints import CheckpointPolicy  # noqa: E402
 from cadence_fx.serve import wire  # noqa: E402
 from cadence_fx.serve.controller import ControllerConfig, start_controller  # noqa: E402
+from cadence_fx.serve.router import Router  # noqa: E402
 from cadence_fx.serve.worker import WorkerConfig  # noqa: E402
 from cadence_fx.testing.demo_model import DemoConfig, StreamingDecoder, demo_contract, export_catalog  # noqa: E402
 
@@ -140,6 +144,36 @@ class Client:
         want = self.model.solo(self.seed, self.k)
         return None if want is None else sha256_tensors(self.frames) == want
 
+    def timed(self, warm: int, chunks: int) -> tuple[list[float], list[float]]:
+        """``warm`` untimed chunks, then ``chunks`` timed: latencies and what each added over the chunk's
+        in-process cost (the session call with its outputs on the host, timed in the worker)."""
+        for _ in range(warm):
+            self.step()
+        lat, added = [], []
+        for _ in range(chunks):
+            res, t = self.step()
+            lat.append(t)
+            added.append(t - res.call_s)
+        return lat, added
+
+
+class RoutedClient(Client):
+    """One conversation's client through a :class:`Router` in this process: one hop per chunk."""
+
+    def __init__(self, router: Router, model: Model, conv: str, seed: int) -> None:
+        super().__init__(router.controller, model, conv, seed)
+        self.router = router
+
+    def open(self, worker: str | None = None) -> dict:
+        return self.router.open(self.conv, seed=self.seed, prompt=self.model.prompt(self.seed), worker=worker)
+
+    def step(self) -> tuple[Any, float]:
+        t0 = time.perf_counter()
+        res = self.router.step(self.conv, self.k, self.model.chunk(self.seed, self.k))
+        self.k += 1
+        self.frames.append(res.outputs[0])
+        return res, time.perf_counter() - t0
+
 
 def ms(xs: list[float]) -> dict[str, float]:
     return {"p50_ms": pct(xs, 50) * 1e3, "p99_ms": pct(xs, 99) * 1e3, "n": len(xs)}
@@ -159,16 +193,14 @@ def run_size(model: Model, args: argparse.Namespace, index: int) -> dict[str, An
     if model.cfg is None:
         model.example = ray.get(handles["worker-0"].example.remote())
 
-    # routing: one conversation's chunks in order, through the controller and straight to a worker
+    # routing: one conversation's chunks in order, through the controller, through a router (one hop)
+    # and straight to a worker's handle
     r = Client(ctl, model, "routing", 1)
     r.open("worker-0")
-    for _ in range(10):
-        r.step()
-    lat, added = [], []
-    for _ in range(args.chunks):
-        res, t = r.step()
-        lat.append(t)
-        added.append(t - res.call_s)
+    lat, added = r.timed(10, args.chunks)
+    routed = RoutedClient(Router(ctl), model, "routed", 4)
+    routed.open("worker-1")
+    rlat, radded = routed.timed(10, args.chunks)
     worker = handles["worker-1"]
     ray.get(worker.open.remote("direct", 2, model.prompt(2)))
     dlat, dadded = [], []
@@ -189,8 +221,9 @@ def run_size(model: Model, args: argparse.Namespace, index: int) -> dict[str, An
                 ts.append(time.perf_counter() - t)
         floor[what] = ms(ts)
     row["routing"] = {"latency": ms(lat), "added": ms(added), "direct_latency": ms(dlat), "direct_added": ms(dadded),
-                      "ping": floor,
+                      "router_latency": ms(rlat), "router_added": ms(radded), "ping": floor,
                       "controller_overhead": ray.get(ctl.status.remote())["metrics"]["routing"],
+                      "router_overhead": ray.get(ctl.status.remote())["metrics"]["routing_router"],
                       "local": local_baseline(model, args) if model.eps is not None and args.local else None}
 
     # migrations and checkpoints of one live conversation
@@ -225,7 +258,7 @@ def run_size(model: Model, args: argparse.Namespace, index: int) -> dict[str, An
                          # own export at most 5 % of its time (what a checkpoint takes from its capacity)
                          "k_for_5pct": math.ceil(pct(ckpt["controller"], 50) / (0.05 * w50)) if w50 > 0 else None,
                          "k_for_5pct_worker_time": math.ceil(pct(export, 50) / (0.05 * w50)) if w50 > 0 else None}
-    row["exact"] = {"mover": m.exact(), "routing": r.exact()}
+    row["exact"] = {"mover": m.exact(), "routing": r.exact(), "routed": routed.exact()}
 
     # resume after a kill
     row["resume"] = []
@@ -291,9 +324,9 @@ def local_baseline(model: Model, args: argparse.Namespace) -> dict[str, float]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["state bytes | ready s | ping w/c p50 ms | routing p50/p99 ms | added p50/p99 ms | direct added p50/p99 "
-             "| migration p50 ms | checkpoint p50 ms ctl/wkr (export) | chunk ms | K(5%) wall/worker | kill->chunk s "
-             "| resume s | exact"]
+    lines = ["state bytes | ready s | ping worker p50/p99, controller p50 ms | routing p50/p99 ms | added p50/p99 ms "
+             "| router added p50/p99 | direct added p50/p99 | migration p50 ms | checkpoint p50 ms ctl/wkr (export) "
+             "| chunk ms | K(5%) wall/worker | kill->chunk s | resume s | exact"]
     for r in rows:
         ro, ck = r["routing"], r["checkpoint"]
         ready = max(w["spawn_to_ready_s"] for w in r["ready"].values())
@@ -301,10 +334,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         res = ", ".join(f"{max(x['resume_s'] or [float('nan')]):.3f}" for x in r["resume"])
         exact = all(v is not False for v in r["exact"].values()) and all(
             e is not False for x in r["resume"] for e in x["exact"])
-        ping = f"{ro['ping']['worker']['p50_ms']:.2f}/{ro['ping']['controller']['p50_ms']:.2f}"
+        ping = (f"{ro['ping']['worker']['p50_ms']:.2f}/{ro['ping']['worker']['p99_ms']:.2f}, "
+                f"{ro['ping']['controller']['p50_ms']:.2f}")
         lines.append(f"{r['state_bytes']} | {ready:.2f} | {ping} | "
                      f"{ro['latency']['p50_ms']:.2f}/{ro['latency']['p99_ms']:.2f} | "
                      f"{ro['added']['p50_ms']:.2f}/{ro['added']['p99_ms']:.2f} | "
+                     f"{ro['router_added']['p50_ms']:.2f}/{ro['router_added']['p99_ms']:.2f} | "
                      f"{ro['direct_added']['p50_ms']:.2f}/{ro['direct_added']['p99_ms']:.2f} | "
                      f"{r['migration']['p50_ms']:.2f} | {ck['p50_ms']:.2f}/{ck['worker_store']['p50_ms']:.2f} "
                      f"({ck['export']['p50_ms']:.2f}) | {ck['chunk_worker']['p50_ms']:.2f} | "

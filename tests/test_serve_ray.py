@@ -16,6 +16,7 @@ import random
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -30,9 +31,10 @@ import cadence_fx as cf  # noqa: E402
 from cadence_fx.serve import wire  # noqa: E402
 from cadence_fx.serve.checkpoints import CheckpointPolicy  # noqa: E402
 from cadence_fx.serve.controller import ControllerConfig, start_controller  # noqa: E402
-from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, NoWorkers,  # noqa: E402
-                                           SequenceError, UnknownConversation)
+from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, Fenced,  # noqa: E402
+                                           NoWorkers, SequenceError, UnknownConversation)
 from cadence_fx.serve.placement import WorkerView, choose, rebalance_moves  # noqa: E402
+from cadence_fx.serve.router import Router  # noqa: E402
 from cadence_fx.serve.worker import ConversationWorker, WorkerConfig, share_artifact  # noqa: E402
 from cadence_fx.testing.demo_model import DemoConfig  # noqa: E402
 from tests.helpers import demo_catalog, demo_inputs, sha256  # noqa: E402
@@ -125,13 +127,19 @@ class Streams:
         refs = {}
         for c in convs or self.seeds:
             tok, noise = demo_inputs(CFG, self.seeds[c], self.next[c])
-            refs[c] = self.ctl.step.remote(c, self.next[c], [tok, noise])
+            refs[c] = self.send(c, self.next[c], [tok, noise])
             self.next[c] += 1
         return refs
 
+    def send(self, conv, seq, inputs):
+        return self.ctl.step.remote(conv, seq, inputs)
+
+    def result(self, ref):
+        return ray.get(ref)
+
     def collect(self, refs):
         for c, r in refs.items():
-            res = ray.get(r)
+            res = self.result(r)
             assert res.conv_id == c and res.seq not in self.got[c], (c, res.seq)  # never twice
             self.got[c][res.seq] = res.outputs[0]
             self.workers[c].append(res.worker)
@@ -151,8 +159,37 @@ class Streams:
         ray.get([self.ctl.close.remote(c) for c in self.seeds])
 
 
+class RoutedStreams(Streams):
+    """The same, through a :class:`Router` in this process (one hop per chunk): each chunk on a thread of
+    its own, so every conversation's chunk is in flight at once."""
+
+    def __init__(self, router, demo, seeds: dict[str, int]):
+        super().__init__(router.controller, demo, seeds)
+        self.router = router
+
+    def open(self):
+        return [self.router.open(c, seed=s, prompt=prompt(self.demo[0], s)) for c, s in self.seeds.items()]
+
+    def send(self, conv, seq, inputs):
+        return POOL.submit(self.router.step, conv, seq, inputs)
+
+    def result(self, ref):
+        return ref.result(timeout=60)
+
+    def close(self):
+        for c in self.seeds:
+            self.router.close(c)
+
+
+POOL = ThreadPoolExecutor(8, thread_name_prefix="routed-client")
+
+
 def affinity(ctl):
     return ray.get(ctl.affinity.remote())
+
+
+def live_workers(ctl):
+    return [n for n, w in ray.get(ctl.status.remote())["workers"].items() if w["alive"]]
 
 
 # --------------------------------------------------------------------------- placement rules (no Ray)
@@ -425,6 +462,70 @@ def test_moves_checkpoints_and_a_kill_at_random_during_traffic_keep_every_stream
     ray.get(ctl.add_worker.remote(worker_config(demo), "worker-4", OPTIONS))  # a replacement
 
 
+# --------------------------------------------------------------------------- one hop: a router in this process
+def test_a_router_sends_each_chunk_straight_to_the_worker_holding_its_state(ctl, demo):
+    router = Router(ctl, report_every=4)
+    s = RoutedStreams(router, demo, {"o1": 131, "o2": 132})
+    opened = s.open()
+    assert all(o["placement"].worker == o["worker"] for o in opened)
+    s.run(2 * K + 1)  # checkpoints asked for after chunks 3 and 7, without waiting for them
+    time.sleep(0.3)
+    s.run(1)
+    table = affinity(ctl)
+    for c in s.seeds:
+        assert set(s.workers[c]) == {table[c]}
+        journal = router.journal(c)
+        assert journal == list(range(journal[0], s.next[c])) and 0 < journal[0]  # trimmed at a checkpoint
+    tok, noise = demo_inputs(CFG, 131, s.next["o1"])
+    with pytest.raises(ValueError, match="opened for a router"):  # its journal is the router's
+        ray.get(ctl.step.remote("o1", s.next["o1"], [tok, noise]))
+    worker = router.placement("o1").handle
+    with pytest.raises(Fenced, match="under epoch 0, not 7"):  # a stale placement is refused, nothing applied
+        ray.get(worker.step.remote("o1", s.next["o1"], [tok, noise], 7))
+    assert "o1" in ray.get(ctl.status.remote())["metrics"]["conversations"]  # the router's reports
+    s.run(1)
+    s.check()
+    s.close()
+    assert router.open_count() == 0 and router.stats["rerouted"] == 0
+
+
+def test_migration_drain_and_a_kill_while_a_router_streams_lose_and_duplicate_nothing(ctl, demo):
+    """A migration lands while the conversation's chunk is in flight (the source freezes it: the chunk
+    is applied before or refused as fenced and sent to the target), a worker is killed with a chunk of
+    each of its conversations in flight (resumed from the checkpoint, the router's journal re-run), a
+    drain and a rebalance move the rest; the router re-asks and retries each refused chunk once."""
+    assert len(live_workers(ctl)) >= 2
+    router = Router(ctl)
+    s = RoutedStreams(router, demo, {f"rr{i}": 140 + i for i in range(3)})  # room for them on one worker
+    s.open()
+    replayed = ray.get(ctl.status.remote())["metrics"]["counters"]["replayed_chunks"]
+    victim = None
+    for r in range(11):
+        refs = s.submit()
+        if r == 2:
+            source = affinity(ctl)["rr0"]
+            ray.get(ctl.migrate.remote("rr0", next(w for w in live_workers(ctl) if w != source)))
+        if r == 6:
+            owners = list(affinity(ctl).values())
+            victim = max(set(owners), key=owners.count)
+            ray.kill(ray.get(ctl.worker_handle.remote(victim)), no_restart=True)
+        s.collect(refs)
+        if r == 6:
+            ray.get(ctl.add_worker.remote(worker_config(demo), "worker-6", OPTIONS))  # a replacement
+        if r == 8:
+            drained = next(w for w in live_workers(ctl) if w in affinity(ctl).values())
+            ray.get(ctl.drain.remote(drained))
+            ray.get(ctl.undrain.remote(drained))
+            ray.get(ctl.rebalance.remote())
+    assert s.workers["rr0"][3] != s.workers["rr0"][1]  # moved after chunk 2
+    resumed = {r["conv_id"] for r in ray.get(ctl.resumes.remote()) if r["from"] == victim}
+    assert resumed and victim not in affinity(ctl).values()
+    assert ray.get(ctl.status.remote())["metrics"]["counters"]["replayed_chunks"] > replayed  # the router's journal
+    assert router.stats["rerouted"] >= 1 + len(resumed)
+    s.check()
+    s.close()
+
+
 def test_metrics_in_prometheus_text(ctl, demo):
     s = Streams(ctl, demo, {"m1": 91})
     s.open()
@@ -556,6 +657,79 @@ def test_checkpoints_left_in_the_workers_object_store_survive_a_sigkill_of_it(cl
             frames.append(out[0].clone())
             state = [t.clone() for t in out[1:]]
         assert sha256(got) == sha256(frames)
+    finally:
+        for name, w in ray.get(ctl.status.remote())["workers"].items():
+            if w["alive"]:
+                ray.kill(ray.get(ctl.worker_handle.remote(name)))
+        ray.kill(ctl)
+
+
+# --------------------------------------------------------------------------- the reduced Token2Wav
+T2W_CHUNKS = 6  # the attention histories at 16, 26, 36 frames, then trimmed: every catalog class
+
+
+@pytest.fixture(scope="module")
+def token2wav(tmp_path_factory):
+    """The reduced Token2Wav (stepaudio2 0.1.2, random weights) optimized and saved once: the catalog
+    of the module pytest collected (tests/ is on sys.path), whose export the upstream and artifact
+    tests share."""
+    from test_upstream_cpu import full_step_0_1_2
+
+    from cadence_fx.adapters.token2wav import Token2WavConfig, token2wav_contract
+
+    cfg = Token2WavConfig.reduced()
+    step, prompt_args, state, _fresh, _contract, eps = full_step_0_1_2(cfg)
+    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
+    path = tmp_path_factory.mktemp("serve-t2w") / "token2wav.cfx"
+    digest = cf.save(cf.optimize(eps, contract, replay="off"), path)["sha256"]
+    return step, prompt_args[2], state, contract, eps, str(path), digest
+
+
+@pytest.mark.upstream
+def test_token2wav_conversations_placed_moved_and_failed_over_give_their_solo_pcm(cluster, token2wav):
+    """Two workers serve reduced-Token2Wav conversations from the saved artifact through a router:
+    placed one per worker, one moved onto the other mid-stream, that worker killed with both chunks in
+    flight (both resumed on the first from their checkpoints, the router's journal re-run). HiFT draws
+    random numbers: the sessions' streams (seeded per conversation) travel in every export, so each
+    PCM stream is its solo run's through the stock exported programs, seeded the same."""
+    from cadence_fx.adapters.token2wav import CatalogReference, run_stream
+
+    step, spk, state, contract, eps, path, digest = token2wav
+    config = WorkerConfig(path, sha256=digest, lanes=1, replay="off", capacity=2, threads=1)
+    policy = CheckpointPolicy(every=3)
+    ctl = start_controller([config] * 2, config=ControllerConfig(checkpoint=policy, health_interval_s=0.5),
+                           name="token2wav", worker_options=OPTIONS)
+    try:
+        router = Router(ctl)
+        seeds = {"t0": 5, "t1": 6}
+        fresh = {c: step.fresh(T2W_CHUNKS, spk, seed=s) for c, s in seeds.items()}
+        initial = {r.name: state[r.input] for r in contract.regions}
+        placed = {c: router.open(c, seed=s, prompt=initial)["worker"] for c, s in seeds.items()}
+        assert sorted(placed.values()) == ["worker-0", "worker-1"]
+        got: dict[str, list] = {c: [] for c in seeds}
+
+        def chunk(k: int, kill: str | None = None) -> None:
+            futures = {c: POOL.submit(router.step, c, k, [fresh[c][k]["token"], spk]) for c in seeds}
+            if kill is not None:
+                ray.kill(ray.get(ctl.worker_handle.remote(kill)), no_restart=True)
+            for c, f in futures.items():
+                got[c].append(f.result(timeout=120).outputs)
+
+        chunk(0)
+        chunk(1)
+        ray.get(ctl.migrate.remote("t0", placed["t1"]))  # both on one worker now
+        chunk(2)
+        chunk(3)
+        chunk(4, kill=placed["t1"])  # both resumed on the other
+        chunk(5)
+        assert set(affinity(ctl).values()) == {placed["t0"]}
+        assert {r["conv_id"] for r in ray.get(ctl.resumes.remote())} == set(seeds)
+        for c, seed in seeds.items():
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)  # the session's seed: the solo run draws the same numbers
+                solo = run_stream(CatalogReference(eps), step, state, fresh[c])
+            assert sha256([o[0] for o in got[c]]) == sha256([o[0] for o in solo]), f"{c}: PCM differs"
+            assert sha256([t for o in got[c] for t in o]) == sha256([t for o in solo for t in o[:2]])
     finally:
         for name, w in ray.get(ctl.status.remote())["workers"].items():
             if w["alive"]:

@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from cadence_fx.serve.metrics import ServeMetrics
     from cadence_fx.serve.placement import WorkerView
 
-__all__ = ["DEFAULT_EVERY", "Base", "CheckpointPolicy", "Failover", "Journal", "JournalEntry", "ResumeReport", "put_checkpoint", "resume"]
+__all__ = ["DEFAULT_EVERY", "Base", "CheckpointPolicy", "Failover", "Journal", "JournalEntry", "ResumeReport", "put_checkpoint", "replay_checked", "resume"]
 
 log = logging.getLogger("cadence_fx.serve")
 
@@ -140,25 +140,34 @@ class ResumeReport:
     base_seq: int
 
 
-async def resume(conv_id: str, journal: Journal, handle: Any, worker: str, *, overcommit: bool) -> ResumeReport:
-    """Rebuild ``conv_id`` on ``handle`` from its journal: the base, then every chunk since, each checked
-    against the digest the client's copy had. Raises ``ray.exceptions.RayActorError`` when the target
-    dies too (the caller picks another), :class:`ReplayDiverged` on other bytes."""
+async def resume(conv_id: str, journal: Journal, handle: Any, worker: str, *, overcommit: bool,
+                 epoch: int = 0) -> ResumeReport:
+    """Rebuild ``conv_id`` on ``handle`` (under placement ``epoch``) from its journal: the base, then
+    every chunk since, each checked against the digest the client's copy had. Raises
+    ``ray.exceptions.RayActorError`` when the target dies too (the caller picks another),
+    :class:`ReplayDiverged` on other bytes."""
     t0 = time.perf_counter()
     base = journal.base
     if base.state is not None:
-        await handle.import_conversation.remote(conv_id, base.state, replace=True, force=overcommit)
+        await handle.import_conversation.remote(conv_id, base.state, replace=True, force=overcommit, epoch=epoch)
     else:
-        await handle.open.remote(conv_id, base.seed, base.prompt, replace=True, force=overcommit)
+        await handle.open.remote(conv_id, base.seed, base.prompt, replace=True, force=overcommit, epoch=epoch)
     entries = [e for e in journal.entries if e.seq >= base.seq]
-    if entries:
-        digests = await handle.replay.remote(conv_id, [(e.seq, e.inputs) for e in entries])
-        for e, d in zip(entries, digests):
-            if d != e.digest:
-                raise ReplayDiverged(f"conversation {conv_id!r}: chunk {e.seq} re-run on {worker} after a "
-                                     f"failover gave outputs of SHA-256 {d[:16]}..., the client was sent "
-                                     f"{e.digest[:16]}...: the step is not a function of its state and inputs")
+    await replay_checked(conv_id, handle, worker, entries)
     return ResumeReport(conv_id, worker, len(entries), time.perf_counter() - t0, base.seq)
+
+
+async def replay_checked(conv_id: str, handle: Any, worker: str, entries: Sequence[JournalEntry]) -> None:
+    """Re-run ``entries`` on ``handle`` in order (one call), each checked against the digest of what the
+    client was sent: :class:`ReplayDiverged` on other bytes, never a silent change."""
+    if not entries:
+        return
+    digests = await handle.replay.remote(conv_id, [(e.seq, e.inputs) for e in entries])
+    for e, d in zip(entries, digests):
+        if d != e.digest:
+            raise ReplayDiverged(f"conversation {conv_id!r}: chunk {e.seq} re-run on {worker} after a "
+                                 f"failover gave outputs of SHA-256 {d[:16]}..., the client was sent "
+                                 f"{e.digest[:16]}...: the step is not a function of its state and inputs")
 
 
 def put_checkpoint(state: Any) -> Any:
@@ -234,12 +243,16 @@ class Failover:
             conv.worker = target  # counted in the views of concurrent resumes
             w = self._workers[target]
             try:
-                report = await resume(conv.conv_id, conv.journal, w.handle, target, overcommit=over)
+                report = await resume(conv.conv_id, conv.journal, w.handle, target, overcommit=over,
+                                      epoch=conv.epoch + 1)
             except RayActorError as e:
                 self._worker_died(target, e)
                 continue
             except RayTaskError as e:
                 raise e.as_instanceof_cause() from None
+            conv.epoch += 1  # a new placement: chunks sent under the old one are refused
+            if conv.routed:  # the worker is at the base; the router's journal has the chunks since
+                conv.next_seq, conv.lagging = report.base_seq + report.replayed, True
             self.metrics.event("resume", report.seconds)
             self.metrics.count("replayed_chunks", report.replayed)
             since = time.perf_counter() - died_at if died_at is not None else None

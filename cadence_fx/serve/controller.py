@@ -1,8 +1,11 @@
 """The controller: one Ray actor that places conversations on workers, routes their chunks, and fails over.
 
-Every chunk goes through the controller, because the controller is where "exactly once" can be
-decided: it holds each conversation's next sequence number, the affinity table (the worker holding
-its state: every chunk goes there), and the journal a failover re-runs. A worker that dies
+A chunk reaches a worker one of two ways. Through the controller (:meth:`ServeController.step`):
+the controller holds the conversation's next sequence number, the affinity table (the worker holding
+its state: every chunk goes there), and the journal a failover re-runs; two actor hops. Or straight
+from a router in the caller's process (:mod:`cadence_fx.serve.router`, one hop), which asks the
+controller only for the conversation's placement (:class:`~cadence_fx.serve.routes.Routes`) and keeps
+the journal itself; a conversation is opened for one way or the other (``routed``). A worker that dies
 mid-stream (``ray.kill``, a ``SIGKILL``, a lost machine: Ray reports each as ``RayActorError`` to the
 next call, and a periodic ping finds idle ones) is fenced (killed, never used again); each of its
 conversations is resumed on a worker with room from its last checkpoint plus the chunks since
@@ -15,7 +18,7 @@ from the sequence check to the journal entry. Migration, drain and rebalance
 (:class:`~cadence_fx.serve.migration.Moves`) and turn boundaries (:class:`~cadence_fx.serve.turns.Turns`:
 snapshots, restores, checkpoints) hold the same lock, so they happen between two chunks. Failover is
 :class:`~cadence_fx.serve.checkpoints.Failover`'s, the placement rules :mod:`cadence_fx.serve.placement`'s,
-what is measured :mod:`cadence_fx.serve.metrics`'s.
+what is measured :mod:`cadence_fx.serve.metrics`'s, what a router asks :class:`~cadence_fx.serve.routes.Routes`'.
 
 The controller is a single actor, not replicated: a lost controller loses the affinity table and the
 journals (the workers' sessions survive it, unreachable). Surviving it is not done yet.
@@ -42,6 +45,7 @@ from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed,
 from cadence_fx.serve.metrics import ServeMetrics
 from cadence_fx.serve.migration import MoveReport, Moves
 from cadence_fx.serve.placement import WorkerView, choose
+from cadence_fx.serve.routes import Routes
 from cadence_fx.serve.turns import Turns
 from cadence_fx.serve.worker import WorkerConfig, WorkerStatus, worker_actor
 
@@ -90,12 +94,15 @@ class _Conv:
     journal: Journal
     cond: asyncio.Condition
     opened_at: float
-    next_seq: int = 0
+    next_seq: int = 0  # a routed one's: the worker's at its placement (the router's journal has the rest)
     closed: bool = False
+    routed: bool = False  # its chunks come from a router, which keeps the journal since the base
+    epoch: int = 0  # the placement's fence token: +1 at every move and resume
+    lagging: bool = False  # routed, resumed, and the router's journal not re-run yet
     snapshots: collections.OrderedDict[str, tuple[Any, int]] = field(default_factory=collections.OrderedDict)
 
 
-class ServeController(Moves, Failover, Turns):
+class ServeController(Moves, Failover, Turns, Routes):
     """Placement, routing, checkpoints and failover for conversations on :class:`ConversationWorker` s."""
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
@@ -149,11 +156,12 @@ class ServeController(Moves, Failover, Turns):
 
     # ------------------------------------------------------------------ conversations
     async def open(self, conv_id: str, seed: int | None = None, prompt: Any = None, *, wait_s: float = 0.0,
-                   worker: str | None = None) -> dict[str, Any]:
+                   worker: str | None = None, routed: bool = False) -> dict[str, Any]:
         """Open ``conv_id`` on the least loaded worker with room (or ``worker``), from ``prompt`` (its
         initial state) with random streams seeded by ``seed`` (drawn when ``None``, and returned: a
         conversation must be reproducible to be resumed). When every worker is at capacity it waits up
-        to ``wait_s`` for room, then raises :class:`AdmissionRefused` saying why."""
+        to ``wait_s`` for room, then raises :class:`AdmissionRefused` saying why. ``routed``: its chunks
+        will come from a :class:`~cadence_fx.serve.router.Router` (the reply has its ``placement``)."""
         if conv_id in self._convs:
             raise ConversationExists(f"conversation {conv_id!r} is already open (on {self._convs[conv_id].worker})")
         seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
@@ -174,7 +182,8 @@ class ServeController(Moves, Failover, Turns):
                         await asyncio.wait_for(self._room.wait(), left)
                     except asyncio.TimeoutError:
                         pass
-            conv = _Conv(conv_id, target, seed, Journal.opened(seed, prompt_ref), asyncio.Condition(), time.monotonic())
+            conv = _Conv(conv_id, target, seed, Journal.opened(seed, prompt_ref), asyncio.Condition(), time.monotonic(),
+                         routed=routed)
             self._convs[conv_id] = conv  # reserved before the call: concurrent opens see it
         try:
             async with conv.cond:
@@ -183,7 +192,8 @@ class ServeController(Moves, Failover, Turns):
             self._convs.pop(conv_id, None)
             await self._notify_room()
             raise
-        return {"conv_id": conv_id, "worker": conv.worker, "seed": seed, "next_seq": 0}
+        opened = {"conv_id": conv_id, "worker": conv.worker, "seed": seed, "next_seq": 0}
+        return {**opened, "placement": self._placement(conv)} if routed else opened
 
     async def step(self, conv_id: str, seq: int, inputs: Sequence[Any] | Mapping[str, Any], *,
                    end_of_turn: bool = False) -> StepResult:
@@ -200,6 +210,9 @@ class ServeController(Moves, Failover, Turns):
                     pass
             if conv.closed:
                 raise ConversationClosed(f"conversation {conv_id!r} was closed")
+            if conv.routed:
+                raise ValueError(f"conversation {conv_id!r} was opened for a router, which keeps its journal: "
+                                 "send its chunks through that router")
             if seq != conv.next_seq:
                 self.metrics.count("sequence_refused")
                 raise sequence_error(conv_id, seq, conv.next_seq)

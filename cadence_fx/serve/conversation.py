@@ -15,6 +15,12 @@ request) is refused with :class:`SequenceError` rather than silently changing th
 a turn boundary (``restore``) puts the numbering back to the snapshot's, as the front end's protocol
 has it: the chunks after the snapshot are taken again.
 
+A conversation's placement (:class:`Placement`: its worker's name and handle, and an epoch) is what a
+router in the caller's process (:mod:`cadence_fx.serve.router`) caches to send chunks straight to the
+worker. Every change of worker (a move, a resume after a failure) opens a new epoch, and a worker
+refuses a chunk sent under an old one, or one of a conversation frozen for a move or moved away, with
+:class:`Fenced`: nothing was applied, and the router asks the controller where the conversation is.
+
 The errors are plain exceptions with one message argument, so Ray can pickle them and re-raise them
 in the caller as themselves (``except SequenceError`` works across actors).
 """
@@ -22,16 +28,16 @@ in the caller as themselves (``except SequenceError`` works across actors).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 from cadence_fx.runtime.rng import RngStates
 from cadence_fx.runtime.sessions import Snapshot
 
-__all__ = ["AdmissionRefused", "ConversationClosed", "ConversationExists", "ConversationState", "NoWorkers",
-           "ReplayDiverged", "SequenceError", "StepResult", "UnknownConversation", "UnknownSnapshot",
-           "sequence_error"]
+__all__ = ["AdmissionRefused", "ConversationClosed", "ConversationExists", "ConversationState", "Fenced",
+           "NoWorkers", "Placement", "ReplayDiverged", "SequenceError", "StepResult", "UnknownConversation",
+           "UnknownSnapshot", "sequence_error"]
 
 
 class SequenceError(ValueError):
@@ -64,6 +70,13 @@ class AdmissionRefused(RuntimeError):
 
 class NoWorkers(RuntimeError):
     """No live worker is left to place or resume a conversation on."""
+
+
+class Fenced(RuntimeError):
+    """A chunk (or a snapshot) refused because the placement it was sent under is not the conversation's
+    any more: it is frozen for a move, moved away, placed again after a failover (a new epoch), or
+    being resumed (its state is behind the router's journal). Nothing was applied: ask the controller
+    for the placement (``reroute``) and send it there."""
 
 
 class ReplayDiverged(RuntimeError):
@@ -138,3 +151,17 @@ class StepResult:
     worker: str
     worker_s: float
     call_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a conversation's state is: ``worker`` (its name) and ``handle`` (its actor), under
+    ``epoch`` (the fence token: it changes whenever the conversation changes worker, and a worker
+    refuses chunks sent under another). ``next_seq``: the next chunk the worker expects as far as the
+    controller knows (behind the router's after a resume, until the router's journal is re-run)."""
+
+    conv_id: str
+    worker: str
+    handle: Any
+    epoch: int
+    next_seq: int

@@ -1,9 +1,10 @@
 """What the serving layer measures, and its Prometheus exposition.
 
-The controller sees every chunk (it routes them), so it records per conversation the latency of
-each chunk as the controller saw it (the worker's call and the hops to it) and the deadline misses,
-the routing overhead (that latency minus the worker's own seconds: what serving adds to a session
-call), and every move: migrations, checkpoints, resumes after a failure, with their seconds and
+The controller sees every chunk it routes, and a router (:mod:`cadence_fx.serve.router`) reports the
+chunks it sent straight to workers in batches, so it records per conversation the latency of each
+chunk (as the controller or the router saw it: the worker's call and the hops to it) and the deadline
+misses, the routing overhead by path (that latency minus the worker's own seconds: what serving adds
+to a session call; ``path="controller"``, two hops, or ``"router"``, one), and every move: migrations, checkpoints, resumes after a failure, with their seconds and
 bytes. Workers' load, capacity, lanes and lanes busy come from the controller's table of them.
 
 Percentiles are over a bounded window of the latest chunks (nearest rank, as the benchmarks), so a
@@ -37,6 +38,7 @@ COUNTERS = {  # name -> help
     "sequence_refused": "chunks refused for a wrong sequence number",
 }
 EVENTS = ("migration", "checkpoint", "resume")
+PATHS = ("controller", "router")  # a chunk through the controller (two hops) or a router (one)
 WORKER_GAUGES = {  # name -> help
     "conversations": "conversations placed on the worker",
     "capacity": "conversations the worker admits (measured or given)",
@@ -84,7 +86,7 @@ class ServeMetrics:
         self._lock = threading.Lock()
         self.conversations: dict[str, LatencyWindow] = {}
         self.conversation_worker: dict[str, str] = {}
-        self.routing = LatencyWindow(window)
+        self.routing = {path: LatencyWindow(window) for path in PATHS}
         self.events = {k: LatencyWindow(window) for k in EVENTS}
         self.event_bytes = {k: 0 for k in EVENTS}
         self.counters = {k: 0 for k in COUNTERS}
@@ -93,12 +95,13 @@ class ServeMetrics:
         self._registry.register(_Collector(self))
 
     # ------------------------------------------------------------------ recording
-    def chunk(self, conv_id: str, worker: str, latency_s: float, worker_s: float, deadline_s: float) -> None:
+    def chunk(self, conv_id: str, worker: str, latency_s: float, worker_s: float, deadline_s: float,
+              path: str = "controller") -> None:
         with self._lock:
             w = self.conversations.setdefault(conv_id, LatencyWindow(self.window))
             w.add(latency_s, deadline_s)
             self.conversation_worker[conv_id] = worker
-            self.routing.add(max(0.0, latency_s - worker_s))
+            self.routing[path].add(max(0.0, latency_s - worker_s))
 
     def event(self, kind: str, seconds: float, nbytes: int = 0) -> None:
         with self._lock:
@@ -122,7 +125,8 @@ class ServeMetrics:
     def summary(self) -> dict[str, Any]:
         """Everything as plain numbers (status, the benchmark)."""
         with self._lock:
-            return {"routing": self.routing.summary(),
+            return {"routing": self.routing["controller"].summary(),
+                    "routing_router": self.routing["router"].summary(),
                     "events": {k: {**v.summary(), "bytes": self.event_bytes[k]} for k, v in self.events.items()},
                     "counters": dict(self.counters),
                     "conversations": {c: w.summary() for c, w in self.conversations.items()},
@@ -161,8 +165,11 @@ class _Collector:
                 misses.add_metric([labels["conversation"], labels["worker"]], w.misses)
             yield lat
             yield misses
-            yield _summary(f"{PREFIX}_routing_overhead_seconds", "chunk latency less the worker's own call "
-                           "(what routing adds; recent window)", {}, m.routing)
+            routing = Metric(f"{PREFIX}_routing_overhead_seconds", "chunk latency less the worker's own call "
+                             "(what routing adds, by path: controller or router; recent window)", "summary")
+            for path, w in m.routing.items():
+                _summary(routing.name, "", {"path": path}, w, routing)
+            yield routing
             ev = Metric(f"{PREFIX}_event_seconds", "seconds per migration, checkpoint and resume", "summary")
             evb = CounterMetricFamily(f"{PREFIX}_event_bytes", "state bytes moved by migrations, checkpoints "
                                       "and resumes", labels=["kind"])

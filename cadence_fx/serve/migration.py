@@ -1,15 +1,18 @@
 """Moving live conversations between workers: ``migrate``, ``drain`` (a deploy), ``rebalance``.
 
 A move happens between two chunks of a conversation: the controller holds the conversation's lock,
-so no chunk is in flight. The source worker exports the conversation (its session's snapshot:
-regions and random streams, as host tensors, with the next chunk's number); the export is a Ray
-object whose reference the controller passes straight to the target's ``import_conversation``, so the
-bytes go from the source's object store to the target's without passing through the controller (for
-a state over Ray's inline limit; a small one rides in the reference). The target restores it into a
-session of its own program, the affinity table points at the target, and only then is the source's
-copy closed: a move that fails on the way leaves the conversation where it was. The next chunk runs
-on the target and gives the bytes the unmoved conversation would have (``tests/test_serve_ray.py``
-checks the SHA-256 of whole streams).
+so no chunk of its own is in flight. The source worker exports the conversation (its session's
+snapshot: regions and random streams, as host tensors, with the next chunk's number) and freezes it
+there: a chunk that a router sends straight to the worker (:mod:`cadence_fx.serve.router`) waits for
+the export and is then refused (:class:`~cadence_fx.serve.conversation.Fenced`; the router asks the
+controller and sends it to the target). The export is a Ray object whose reference the controller
+passes straight to the target's ``import_conversation``, so the bytes go from the source's object
+store to the target's without passing through the controller (for a state over Ray's inline limit; a
+small one rides in the reference). The target restores it into a session of its own program under a
+new epoch, the affinity table points at the target, and only then is the source's copy closed (as
+moved: a chunk a router still sends there is fenced, not "closed"). A move that fails on the way
+leaves the conversation where it was, thawed. The next chunk runs on the target and gives the bytes
+the unmoved conversation would have (``tests/test_serve_ray.py`` checks the SHA-256 of whole streams).
 
 ``drain`` marks a worker as taking no new conversations and moves each of its conversations to the
 least loaded other worker with room; ``rebalance`` moves conversations from workers above their share
@@ -131,23 +134,36 @@ class Moves:
                 else f"it is at capacity ({view.conversations}/{view.capacity})"))
         src = self._workers[conv.worker]
         t0 = time.perf_counter()
-        exported = src.handle.export_conversation.remote(conv.conv_id)  # stays in the object store
+        # frozen at the source from the export on (a router's chunk there is refused: Fenced); the
+        # state stays in the object store, only its header comes here
+        exported, header = src.handle.checkpoint.options(num_returns=2).remote(conv.conv_id, freeze=True)
         try:
-            nbytes = await dst.handle.import_conversation.remote(conv.conv_id, exported)
+            nbytes = await dst.handle.import_conversation.remote(conv.conv_id, exported, epoch=conv.epoch + 1)
+            next_seq = int((await header)["next_seq"])
         except (RayActorError, RayTaskError) as e:
             src_ok, dst_ok = await self._probe(src), await self._probe(dst)
             if not src_ok:  # the source died: resume it (from its checkpoint) instead
                 await self._resume_locked(conv)
+            else:
+                await _thaw(src, conv.conv_id)
             if src_ok and dst_ok and isinstance(e, RayTaskError):
                 raise e.as_instanceof_cause() from None
             raise NoWorkers(f"moving {conv.conv_id!r} from {src.name} to {target} failed: "
                             f"{'source' if not src_ok else 'target'} died; the conversation is on {conv.worker}") from None
-        conv.worker = target
+        conv.worker, conv.epoch, conv.next_seq = target, conv.epoch + 1, next_seq
         try:
-            await src.handle.close.remote(conv.conv_id)
+            await src.handle.close.remote(conv.conv_id, moved=True)  # a late chunk there: Fenced, not closed
         except (RayActorError, RayTaskError) as e:  # the move is done either way
             log.warning("migration of %s: closing it on %s failed (%s)", conv.conv_id, src.name, e)
         seconds = time.perf_counter() - t0
         self.metrics.event("migration", seconds, nbytes)
         log.info("conversation %s moved %s -> %s in %.4f s (%d bytes)", conv.conv_id, src.name, target, seconds, nbytes)
         return MoveReport(conv.conv_id, src.name, target, seconds, int(nbytes))
+
+
+async def _thaw(src: Any, conv_id: str) -> None:
+    """Undo a move's freeze at a live source (the move failed at the target: the conversation stays)."""
+    try:
+        await src.handle.thaw.remote(conv_id)
+    except (RayActorError, RayTaskError) as e:
+        log.warning("a failed move of %s: thawing it on %s failed (%s)", conv_id, src.name, e)

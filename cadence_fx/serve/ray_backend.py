@@ -1,13 +1,16 @@
-"""The front end's backend over Ray workers: the five methods of ``ConversationBackend`` on the controller.
+"""The front end's backend over Ray workers: the five methods of ``ConversationBackend``, one hop per chunk.
 
 The streaming front end (:mod:`cadence_fx.serve.frontend`) talks to whatever runs the steps through
 :class:`~cadence_fx.serve.protocol.ConversationBackend`. :class:`RayBackend` is that seam for the
-distributed core: each method is one call to the controller actor (placement, affinity, checkpoints
-and failover stay there, so front-end replicas hold no conversation state and any of them may serve
-any conversation), and each refusal is mapped to the protocol's code: unknown and closed
-conversations, a wrong sequence number, admission refused (``TOO_MANY_CONVERSATIONS``), a prompt the
-catalog does not have, a restore token it does not hold. Snapshots stay in Ray's object store under
-the controller (:mod:`cadence_fx.serve.turns`); the client gets an opaque token.
+distributed core, through a :class:`~cadence_fx.serve.router.Router` in the replica's process: a
+chunk goes straight to the worker holding its conversation (one actor hop), the other methods to
+the controller (placement, moves, checkpoints and failover stay there). The router keeps each of
+its conversations' journals since their last checkpoint, so a conversation is served by the replica
+that opened it (its connection's, as the protocol has it anyway). Each refusal is mapped to the
+protocol's code: unknown and closed conversations, a wrong sequence number, admission refused
+(``TOO_MANY_CONVERSATIONS``), a prompt the catalog does not have, a restore token it does not hold.
+Snapshots stay in Ray's object store under the controller (:mod:`cadence_fx.serve.turns`); the
+client gets an opaque token.
 
 The methods are ``async`` (the front end awaits them on its event loop: an actor call is a wait, not
 work). :func:`ray_backend` connects to a running controller; :func:`demo_ray_backend` starts one over
@@ -33,6 +36,7 @@ from cadence_fx.serve.controller import CONTROLLER_NAME, get_controller, start_c
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, SequenceError,
                                            UnknownConversation, UnknownSnapshot)
 from cadence_fx.serve.protocol import ErrorCode, ProtocolError, TensorSpec, spec_to_json
+from cadence_fx.serve.router import Router
 from cadence_fx.serve.worker import WorkerConfig
 
 __all__ = ["RayBackend", "demo_prompt", "demo_ray_backend", "ray_backend"]
@@ -74,15 +78,17 @@ class RayBackend:
         prompt: ``prompt(id or None) -> initial state`` (per region, in contract order or by name);
             a ``KeyError``, ``IndexError`` or ``ValueError`` from it is ``BAD_PROMPT``. ``None``: the
             workers' default initial state (zeros of the first class) for every conversation.
+        router: the :class:`Router` chunks go through (default: a new one over ``controller``).
     Snapshots are kept by the controller (its last ``Turns.max_snapshots`` per conversation, 8).
     """
 
-    def __init__(self, controller: Any, chunk_inputs: Sequence[TensorSpec], prompt: Prompt | None = None) -> None:
+    def __init__(self, controller: Any, chunk_inputs: Sequence[TensorSpec], prompt: Prompt | None = None, *,
+                 router: Router | None = None) -> None:
         wire.install()
         self.controller = controller
+        self.router = router if router is not None else Router(controller)
         self.chunk_inputs = list(chunk_inputs)
         self.prompt = prompt
-        self._open: set[str] = set()
 
     async def open(self, conv_id: str, seed: int | None, prompt: int | None = None) -> dict[str, Any]:
         state = None
@@ -93,33 +99,31 @@ class RayBackend:
                 raise ProtocolError(ErrorCode.BAD_PROMPT, f"prompt {prompt!r}: {e}") from None
         elif prompt is not None:
             raise ProtocolError(ErrorCode.BAD_PROMPT, "this backend has no prompts")
-        opened = await _translated(self.controller.open.remote(conv_id, seed, state))
-        self._open.add(conv_id)
+        opened = await _translated(self.router.aopen(conv_id, seed, state))
         return {"inputs": spec_to_json(self.chunk_inputs), "worker": opened["worker"], "seed": opened["seed"]}
 
     async def step(self, conv_id: str, seq: int, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        res = await _translated(self.controller.step.remote(conv_id, seq, list(inputs)))
+        res = await _translated(self.router.astep(conv_id, seq, list(inputs)))
         return list(res.outputs)
 
     async def snapshot(self, conv_id: str) -> str:
-        kept: dict[str, Any] = await _translated(self.controller.keep_snapshot.remote(conv_id))
+        kept: dict[str, Any] = await _translated(self.router.akeep_snapshot(conv_id))
         return str(kept["token"])  # the state stays in the object store, under the controller
 
     async def restore(self, conv_id: str, token: str) -> int:
-        seq: int = await _translated(self.controller.restore.remote(conv_id, token))
+        seq: int = await _translated(self.router.arestore(conv_id, token))
         return seq
 
     async def close(self, conv_id: str) -> None:
-        self._open.discard(conv_id)
         try:
-            await _translated(self.controller.close.remote(conv_id))
+            await _translated(self.router.aclose(conv_id))
         except ProtocolError as e:  # closing a closed (or never opened) conversation is a no-op
             if e.code not in (ErrorCode.CONVERSATION_CLOSED, ErrorCode.UNKNOWN_CONVERSATION):
                 raise
 
     def open_count(self) -> int:
         """Conversations this backend opened and has not closed."""
-        return len(self._open)
+        return self.router.open_count()
 
 
 def _resolve(obj: Any) -> Any:

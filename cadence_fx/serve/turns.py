@@ -11,7 +11,10 @@ conversation and drops them when it closes.
 A restore puts the conversation back: its regions, random streams and next chunk number (the
 snapshot's: the chunks after it are taken again, as the front end's protocol has it). The restored
 state is also the conversation's new checkpoint, and the journal's chunks (the abandoned future) go,
-so a failover after a barge-in resumes on the rewound timeline. A checkpoint can be taken on demand
+so a failover after a barge-in resumes on the rewound timeline. A conversation a router streams
+(:mod:`cadence_fx.serve.router`) that was just resumed at its last checkpoint is behind its router's
+journal until the router comes back: its snapshot is refused (``Fenced``) and the router, which
+catches up the worker first, takes it. A checkpoint can be taken on demand
 too (:meth:`Turns.checkpoint`), besides the policy's every-K and end-of-turn ones.
 
 :class:`Turns` is mixed into :class:`~cadence_fx.serve.controller.ServeController`; every method holds
@@ -25,7 +28,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from cadence_fx.serve.checkpoints import put_checkpoint
-from cadence_fx.serve.conversation import ConversationState, UnknownSnapshot
+from cadence_fx.serve.conversation import ConversationState, Fenced, UnknownSnapshot
 
 __all__ = ["Turns"]
 
@@ -45,15 +48,14 @@ class Turns:
         state stays in the object store)."""
         conv = self._conv(conv_id)
         async with conv.cond:
-            state: ConversationState = await self._on_worker(conv, lambda h: h.snapshot.remote(conv_id))
-            return state
+            return await self._snapshot_locked(conv)
 
     async def keep_snapshot(self, conv_id: str) -> dict[str, Any]:
         """Snapshot the conversation into the object store under a new token: ``{"token", "seq"}`` (the
         next chunk's number at the snapshot)."""
         conv = self._conv(conv_id)
         async with conv.cond:
-            state: ConversationState = await self._on_worker(conv, lambda h: h.snapshot.remote(conv_id))
+            state = await self._snapshot_locked(conv)
             token = secrets.token_urlsafe(12)
             conv.snapshots[token] = (put_checkpoint(state), state.next_seq)
             while len(conv.snapshots) > self.max_snapshots:
@@ -77,9 +79,16 @@ class Turns:
                 ref, seq = put_checkpoint(state), state.next_seq
             await self._on_worker(conv, lambda h: h.restore.remote(conv_id, ref))  # resolved by Ray at the worker
             conv.journal.rebased(ref, seq)
-            conv.next_seq = seq
+            conv.next_seq, conv.lagging = seq, False
             conv.cond.notify_all()
             return seq
+
+    async def _snapshot_locked(self, conv: Any) -> ConversationState:
+        if conv.lagging:  # resumed at its base; the chunks since are in its router's journal
+            raise Fenced(f"conversation {conv.conv_id!r} was resumed after a failure and its router has not re-run "
+                         "its chunks since the checkpoint yet: snapshot it through its router")
+        state: ConversationState = await self._on_worker(conv, lambda h: h.snapshot.remote(conv.conv_id))
+        return state
 
     async def checkpoint(self, conv_id: str, store: str | None = None) -> int:
         """Checkpoint ``conv_id`` now (``store``: this once, where its bytes live, as

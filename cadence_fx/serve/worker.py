@@ -12,6 +12,9 @@ chunk's own inputs with a sequence number and gets the chunk's own outputs on th
 feeds the session's returned state to the next call itself. A chunk is applied exactly once, in
 order: another number is refused (:class:`~cadence_fx.serve.conversation.SequenceError`), and a call
 that raises leaves the conversation as before it (sessions are transactions), so a retry is exact.
+Chunks may come straight from a router in the client's process (:mod:`cadence_fx.serve.router`) with
+the epoch of the placement it cached: a conversation frozen for a move, moved away, or here under
+another epoch refuses them with :class:`~cadence_fx.serve.conversation.Fenced` (nothing applied).
 
 :class:`ConversationWorker` is a plain class (usable in-process, as the benchmark's baseline does);
 :func:`worker_actor` starts it as a threaded Ray actor, with one thread per lane plus a few for
@@ -23,12 +26,10 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import ray
@@ -39,9 +40,11 @@ from cadence_fx.determinism import sha256_tensors
 from cadence_fx.runtime.sessions import Session, Snapshot
 from cadence_fx.serve.calibration import Calibration, given_capacity, measure_capacity, percentile
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
-                                           ConversationState, StepResult, UnknownConversation, sequence_error)
+                                           ConversationState, Fenced, StepResult, UnknownConversation,
+                                           sequence_error)
 from cadence_fx.serve import wire
 from cadence_fx.serve.layout import StepLayout
+from cadence_fx.serve.sharing import artifact_file, share_artifact
 
 __all__ = ["ConversationWorker", "WorkerConfig", "WorkerStatus", "share_artifact", "worker_actor"]
 
@@ -108,6 +111,8 @@ class _Conversation:
     next_seq: int
     seed: int | None
     lock: threading.Lock
+    epoch: int = 0  # the placement's fence token (the controller's)
+    frozen: bool = False  # exported for a move: no chunk until the move is done (or undone: thaw)
 
 
 class ConversationWorker:
@@ -119,7 +124,7 @@ class ConversationWorker:
         self.config, self.name = config, name
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        with _artifact_file(config.artifact) as path:
+        with artifact_file(config.artifact) as path:
             self.prog = load(path, sha256=config.sha256, lanes=config.lanes, replay=config.replay,
                              device=config.device, check_weights=config.check_weights)
         t_load = time.perf_counter()
@@ -132,6 +137,7 @@ class ConversationWorker:
         t_warm = time.perf_counter()
         self._convs: dict[str, _Conversation] = {}
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._moved: collections.OrderedDict[str, None] = collections.OrderedDict()  # moved away: Fenced
         self._lock = threading.Lock()
         self._busy = 0
         self._chunk_ms: collections.deque[float] = collections.deque(maxlen=2048)
@@ -145,24 +151,29 @@ class ConversationWorker:
 
     # ------------------------------------------------------------------ conversations
     def open(self, conv_id: str, seed: int | None = None, prompt: Prompt = None, *, replace: bool = False,
-             force: bool = False) -> int:
+             force: bool = False, epoch: int = 0) -> int:
         """Open ``conv_id`` from ``prompt`` (its initial state: by region name, in contract order, or
         ``None`` for zeros) with random streams seeded by ``seed`` (drawn here when ``None``: a served
         conversation must be reproducible, so it always has one). Returns the seed. ``force`` admits past
-        the capacity (a failover that has nowhere else to go)."""
+        the capacity (a failover that has nowhere else to go). ``epoch``: the placement's fence token."""
         seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
         state = self.layout.prompt(prompt, self.regions, self._zero_state)
         self._admit(conv_id, replace=replace, force=force)
         session = self.prog.session(conv_id, seed=seed)
         returned = session.restore(Snapshot({n: self._to_device(t) for n, t in state.items()}, None))
-        self._install(conv_id, _Conversation(session, returned, 0, seed, threading.Lock()))
+        self._install(conv_id, _Conversation(session, returned, 0, seed, threading.Lock(), epoch))
         return seed
 
-    def step(self, conv_id: str, seq: int, inputs: Sequence[Any] | Mapping[str, Any]) -> StepResult:
-        """Apply chunk ``seq`` of ``conv_id``: the chunk's outputs on the host (the state stays here)."""
+    def step(self, conv_id: str, seq: int, inputs: Sequence[Any] | Mapping[str, Any],
+             epoch: int | None = None) -> StepResult:
+        """Apply chunk ``seq`` of ``conv_id``: the chunk's outputs on the host (the state stays here).
+        ``epoch``: the placement a router sent it under (``None``: the controller's own call)."""
         t0 = time.perf_counter()
         conv = self._get(conv_id)
         with conv.lock:
+            if conv.frozen or (epoch is not None and epoch != conv.epoch):
+                raise Fenced(f"worker {self.name}: conversation {conv_id!r} is " + (
+                    "frozen for a move" if conv.frozen else f"here under epoch {conv.epoch}, not {epoch}"))
             if seq != conv.next_seq:
                 raise sequence_error(conv_id, seq, conv.next_seq)
             chunk = [self._to_device(x) for x in self.layout.chunk_inputs(inputs)]
@@ -185,11 +196,13 @@ class ConversationWorker:
         the outputs' digests, for the controller to check against what the client was sent."""
         return [self.step(conv_id, seq, inputs).digest for seq, inputs in chunks]
 
-    def snapshot(self, conv_id: str) -> ConversationState:
-        """The conversation's state now (a turn boundary), on the host; the conversation goes on here."""
+    def snapshot(self, conv_id: str, *, freeze: bool = False) -> ConversationState:
+        """The conversation's state now (a turn boundary), on the host; the conversation goes on here
+        (``freeze``: it takes no chunk until it is closed as moved or thawed: the first half of a move)."""
         t0 = time.perf_counter()
         conv = self._get(conv_id)
         with conv.lock:
+            conv.frozen = conv.frozen or freeze
             snap = conv.session.snapshot(device="cpu")
             state = ConversationState.of(conv_id, snap, next_seq=conv.next_seq, seed=conv.seed)
         return replace(state, meta={"export_s": time.perf_counter() - t0})
@@ -203,34 +216,39 @@ class ConversationWorker:
             conv.state = self._restore_into(conv.session, state)
             conv.next_seq = state.next_seq
 
-    def export_conversation(self, conv_id: str) -> ConversationState:
+    def export_conversation(self, conv_id: str, *, freeze: bool = False) -> ConversationState:
         """The conversation as host tensors for the object store (a move or a checkpoint): its
         snapshot and the next chunk's number. It stays open here until :meth:`close`."""
-        return self.snapshot(conv_id)
+        return self.snapshot(conv_id, freeze=freeze)
 
-    def checkpoint(self, conv_id: str) -> tuple[ConversationState, dict[str, Any]]:
+    def checkpoint(self, conv_id: str, *, freeze: bool = False) -> tuple[ConversationState, dict[str, Any]]:
         """The export and a small header of it (next chunk, bytes, seconds): called with two returns, the
         state stays in this node's object store while the controller reads only the header."""
-        state = self.export_conversation(conv_id)
+        state = self.export_conversation(conv_id, freeze=freeze)
         return state, {"next_seq": state.next_seq, "nbytes": state.nbytes(), **state.meta}
 
     def import_conversation(self, conv_id: str, state: ConversationState, *, replace: bool = False,
-                            force: bool = False) -> int:
-        """Open ``conv_id`` here from an exported state: its next chunk is ``state.next_seq``. Returns the
-        state's bytes."""
+                            force: bool = False, epoch: int = 0) -> int:
+        """Open ``conv_id`` here from an exported state under ``epoch``: its next chunk is
+        ``state.next_seq``. Returns the state's bytes."""
         self._admit(conv_id, replace=replace, force=force)
         session = self.prog.session(conv_id, seed=state.seed)
         returned = self._restore_into(session, state)
-        self._install(conv_id, _Conversation(session, returned, state.next_seq, state.seed, threading.Lock()))
+        self._install(conv_id, _Conversation(session, returned, state.next_seq, state.seed, threading.Lock(), epoch))
         return state.nbytes()
 
-    def close(self, conv_id: str) -> None:
-        """Close ``conv_id`` and free its buffers; later calls for it raise ``ConversationClosed``."""
+    def thaw(self, conv_id: str) -> None:
+        """Take chunks again after a move that did not happen (its target failed)."""
+        self._get(conv_id).frozen = False
+
+    def close(self, conv_id: str, *, moved: bool = False) -> None:
+        """Close ``conv_id`` and free its buffers; later calls for it raise ``ConversationClosed``, or
+        with ``moved`` (it lives on another worker now) :class:`Fenced`."""
         with self._lock:
             conv = self._convs.pop(conv_id, None)
             if conv is None:
                 raise self._missing(conv_id)
-            self._remember_closed(conv_id)
+            _remember(self._moved if moved else self._closed, conv_id)
         with conv.lock:
             conv.session.close()
 
@@ -317,6 +335,7 @@ class ConversationWorker:
         with self._lock:
             self._convs[conv_id] = conv
             self._closed.pop(conv_id, None)
+            self._moved.pop(conv_id, None)
 
     def _get(self, conv_id: str) -> _Conversation:
         with self._lock:
@@ -325,16 +344,13 @@ class ConversationWorker:
                 raise self._missing(conv_id)
             return conv
 
-    def _missing(self, conv_id: str) -> UnknownConversation:
+    def _missing(self, conv_id: str) -> Exception:
+        if conv_id in self._moved:
+            return Fenced(f"worker {self.name}: conversation {conv_id!r} was moved to another worker")
         if conv_id in self._closed:
             return ConversationClosed(f"worker {self.name}: conversation {conv_id!r} was closed")
         return UnknownConversation(f"worker {self.name}: no conversation {conv_id!r} here (open: "
                                    f"{len(self._convs)})")
-
-    def _remember_closed(self, conv_id: str) -> None:
-        self._closed[conv_id] = None
-        while len(self._closed) > 4096:
-            self._closed.popitem(last=False)
 
     @contextmanager
     def _running(self) -> Iterator[None]:
@@ -350,33 +366,17 @@ class ConversationWorker:
         return x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x
 
 
+def _remember(ids: collections.OrderedDict[str, None], conv_id: str) -> None:
+    ids[conv_id] = None
+    while len(ids) > 4096:
+        ids.popitem(last=False)
+
+
 def _to_host(x: Any) -> Any:
     """An output as the client gets it: a host tensor of its own (never a view of the worker's buffers)."""
     if not isinstance(x, torch.Tensor):
         return x
     return x.detach().cpu() if x.device.type != "cpu" else x.detach().clone()
-
-
-def share_artifact(path: str | os.PathLike[str]) -> Any:
-    """The artifact's bytes in Ray's object store (owned by the caller), for workers on machines that do
-    not see ``path``: ``WorkerConfig(share_artifact(path), sha256=...)``. Each worker writes them to a
-    file of its own, loads it (the SHA-256 pin checks what it read) and removes it."""
-    return ray.put(Path(path).read_bytes())
-
-
-@contextmanager
-def _artifact_file(artifact: Any) -> Iterator[str]:
-    if isinstance(artifact, (str, os.PathLike)):
-        yield os.fspath(artifact)
-        return
-    data = ray.get(artifact)
-    fd, path = tempfile.mkstemp(suffix=".cfx", prefix="cadence-artifact-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        yield path
-    finally:
-        os.unlink(path)
 
 
 def worker_actor(config: WorkerConfig, *, name: str, options: Mapping[str, Any] | None = None) -> Any:
