@@ -144,6 +144,9 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds between a session's chunks, also the deadline (default 1 s: one Token2Wav chunk is "
                          "1 s of audio; 0.08 s for --model moshi: one frame; shorter only for smoke runs)")
     ap.add_argument("--lanes", type=int, default=4, help="lanes of the SRc program, per GPU")
+    ap.add_argument("--artifact", default=None,
+                    help="SRc workers load this saved program (cf.load, --lanes lanes) instead of exporting and "
+                         "optimizing; where no file is there yet, the first worker to build one saves it there")
     ap.add_argument("--workers", type=int, default=0, help="serving threads per GPU (default: one per lane)")
     ap.add_argument("--branches", type=int, default=1,
                     help="SRc: streams per captured graph (CudaGraphBackend(branches=N): independent chains in "

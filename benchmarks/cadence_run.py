@@ -73,7 +73,8 @@ class Run(SoloDigests):
     def start_workers(self, k: int) -> list[Worker]:
         a = self.args
         common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
-                  "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else [])]
+                  "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else []),
+                  *(["--artifact", a.artifact] if a.artifact else [])]
         return [Worker(g, [sys.executable, str(ENTRY), "--worker", str(g)] + common + passthrough(a),
                        worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
 

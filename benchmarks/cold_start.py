@@ -2,6 +2,7 @@
 
     python benchmarks/cold_start.py                        # released sizes on the GPU (scripts/gpu.sh cold)
     python benchmarks/cold_start.py --reduced --chunks 3   # small, on the CPU
+    python benchmarks/cold_start.py --lanes 8              # a worker of 8 lanes (scripts/gpu.sh cold --lanes 8)
 
 This process builds the stock step (random weights), exports the catalog, optimizes it, saves the
 artifact, and streams ``--chunks`` chunks through the freshly optimized program (captured first) to
@@ -11,6 +12,10 @@ input names alone), loads the artifact, captures the catalog, and streams the sa
 one JSON row with export, optimize, save, load (read / digest check / placement / rebuild), capture
 and first-chunk seconds, the child's time to first chunk (from its interpreter start and from
 ``cf.load``), the artifact's size, and whether the child's stream SHA-256 equals the fresh program's.
+With ``--lanes L`` the child loads L lanes and captures all of them before its first chunk (the time
+to first chunk is then an L-lane worker's time to serve; ``lane_capture_s`` splits the capture by
+lane), and after the default stream one session per lane streams the same chunks at once, each
+gated by SHA-256 against the fresh program's (``lanes_replayed`` says which lanes served them).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def child(args: argparse.Namespace) -> None:
     io = torch.load(args.inputs, map_location="cpu", weights_only=True)
     t_load0 = time.perf_counter()
     # load starts the device itself (its context) while it decodes the graphs: load_report has both
-    prog = cf.load(args.artifact)
+    prog = cf.load(args.artifact, lanes=args.lanes)
     t_loaded = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     io["state"] = {n: t.to(device) for n, t in io["state"].items()}
@@ -93,6 +98,7 @@ def child(args: argparse.Namespace) -> None:
     t_captured = time.perf_counter()
     pcm, secs = _stream(prog, io["names"], io["state_out"], io["state"], io["fresh"], io["seed"])
     t_first = t_captured + secs[0]
+    lanes = _lanes_exact(prog, io) if args.lanes > 1 else {}
     blocked = sorted(m for m in sys.modules if m.startswith(("stepaudio2", "cadence_fx.adapters")))
     print("CHILD " + json.dumps({
         "import_s": t_import - T_START, "device_init_s": prog.load_report["device_init_s"],
@@ -106,14 +112,63 @@ def child(args: argparse.Namespace) -> None:
         # less reading the harness's inputs file only: a server moves its own inputs to the device too
         "ttfc_server_s": t_first - T_START - (t_load0 - t_envelope),
         "chunk_ms": [s * 1e3 for s in secs], "sha256": sha256_tensors(pcm),
-        "modules_from_model_code": blocked, "counters": prog.counters(),
+        "modules_from_model_code": blocked, "counters": prog.counters(), "lanes": args.lanes,
+        "lane_capture_s": _lane_capture_seconds(warm), **lanes,
     }), flush=True)
+
+
+def _lane_capture_seconds(warm: dict) -> dict[str, float]:
+    """Warm-up's capture seconds by lane (the engines of lanes after the first are named ``laneK/...``)."""
+    out: dict[str, float] = {}
+    for name, classes in warm["classes"].items():
+        lane = name.split("/", 1)[0] if name.startswith("lane") else "lane0"
+        out[lane] = out.get(lane, 0.0) + sum(r.capture_seconds for r in classes.values())
+    return out
+
+
+def _lanes_exact(prog, io: dict) -> dict:
+    """One session per lane, streamed at once from threads (each takes a free lane): every session's
+    PCM must be the default stream's bytes; which lanes replayed is read from their counters."""
+    import threading
+
+    from cadence_fx.determinism import sha256_tensors
+
+    n = len(prog.lanes.lanes)
+    sessions = [prog.session(f"lane-check-{i}", seed=io["seed"]) for i in range(n)]
+    digests: list[str | None] = [None] * n
+    errors: list[str] = []
+    before = [lane.runners.counters()["replays"] for lane in prog.lanes.lanes]
+
+    def run(i: int) -> None:
+        try:
+            st = {k: v.clone() for k, v in io["state"].items()}
+            pcm = []
+            for f in io["fresh"]:
+                out = sessions[i](*[{**f, **st}[name] for name in io["names"]])
+                pcm.append(out[0].to("cpu", copy=True))
+                st = {name: out[j] for name, j in io["state_out"].items()}
+            digests[i] = sha256_tensors(pcm)
+        except Exception as e:  # reported in the row: the bench's verdict, not a crash
+            errors.append(f"session {i}: {e!r}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    used = [i for i, lane in enumerate(prog.lanes.lanes) if lane.runners.counters()["replays"] > before[i]]
+    for s in sessions:
+        s.close()
+    return {"session_sha256": digests, "session_errors": errors, "lanes_replayed": used}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=4, help="chunks streamed by each process")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU)")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="lanes of the loaded program (every lane captured before the first chunk; with more "
+                         "than one, a session per lane then streams the same chunks, each gated by SHA-256)")
     ap.add_argument("--dir", default=None, help="where the artifact goes (default: a temporary folder)")
     ap.add_argument("--json", default=None, help="also write the row here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -177,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     # the restarted server: a fresh interpreter, timed from its start
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--artifact", str(artifact),
-                          "--inputs", str(inputs)], capture_output=True, text=True,
+                          "--inputs", str(inputs), "--lanes", str(args.lanes)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     row["child_wall_s"] = time.perf_counter() - t0
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("CHILD ")]
@@ -187,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         got = json.loads(lines[-1][len("CHILD "):])
         row.update({f"loaded_{k}": v for k, v in got.items()})
-        row["bit_exact"] = got["sha256"] == row["fresh_sha256"]
+        row["bit_exact"] = got["sha256"] == row["fresh_sha256"] and not got.get("session_errors") and all(
+            d == row["fresh_sha256"] for d in got.get("session_sha256", []))
     print(json.dumps(row), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1))

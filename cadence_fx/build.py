@@ -212,6 +212,7 @@ class LaneBuilder:
         self._shared = CatalogTables()
         self._first_lane: list[tuple[tuple, Entry]] = []  # lane 0's programs in catalog order: what lanes copy
         self._lane0: Lane | None = None
+        self._verdicts: dict[str, dict] = {}  # the probes' findings, shared by the lanes' engines
 
     def build(self, lanes: int) -> LanePool:
         """Build lane 0 (recording the passes' counts), check the extents, build the other lanes."""
@@ -263,7 +264,7 @@ class LaneBuilder:
             # lane 0 runs on the stock module's scratch buffers; the others get their own copies
             privatize_written_buffers(gm, private, clone=index > 0)
             if backend is not None and admitted:
-                install_runners(gm, backend, runners)
+                install_runners(gm, backend, runners, self._verdicts)
             isolate_randomness(gm)
             entries.append((key, Entry(gm, sites, facts, admitted)))
             if index == 0:

@@ -126,3 +126,64 @@ def test_a_lane_that_cannot_be_copied_is_built_by_the_passes(setup, monkeypatch,
     assert "lane 1: rewritten by the passes (lane 0's programs cannot be copied: module 'x'" in caplog.text
     monkeypatch.undo()
     assert _stream(prog, model) == _stream(cf.optimize(eps, contract, replay=FakeBackend(), lanes=2), model)
+
+
+class _CountingBackend(FakeBackend):
+    """Counts every run of a partition on the "capture stream" (probe, warm-up and the capture's own
+    run) and can fail chosen captures, as a capture that breaks on a GPU would."""
+
+    def __init__(self, fail_at: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.attempts = 0
+
+    def capture(self, fn, static_args, pool):
+        self.attempts += 1
+        if self.attempts in self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(fn, static_args, pool)
+
+
+def _warm(prog, model):
+    x = torch.zeros(1, CFG.chunk, CFG.dim)
+    return prog.warmup(x, *model.initial_state(), x)
+
+
+def test_lanes_after_the_first_capture_without_probing_again(setup):
+    """A class one lane probed is captured on the others from its verdict: no probe, one eager run per
+    partition on the lane's capture stream (its first), then captures only; the same bytes."""
+    model, contract, eps = setup
+    one = cf.optimize(eps, contract, replay=FakeBackend(), lanes=1)
+    _warm(one, model)
+    three = cf.optimize(eps, contract, replay=FakeBackend(), lanes=3)
+    _warm(three, model)
+    engines = three.runners()
+    assert engines and any(k.startswith("lane2/") for k in engines)
+    for name, eng in engines.items():
+        assert eng.classes, name
+        for report in eng.classes.values():
+            assert report.admitted
+            if name.startswith("lane"):  # lanes 1 and 2: the verdict of lane 0's probe
+                assert report.phase_seconds["probe"] == 0.0, name
+            else:
+                assert report.phase_seconds["probe"] > 0.0, name
+    assert three.counters()["captures"] == 3 * one.counters()["captures"]
+    assert _stream(three, model) == _stream(one, model)
+    # every call of the stream replayed: nothing fell back on a lane captured from a verdict
+    assert three.counters()["eager"] == 0 and three.counters()["replays"] > 0
+
+
+def test_a_capture_from_a_verdict_that_fails_is_probed_and_captured_the_full_way(setup):
+    model, contract, eps = setup
+    one = cf.optimize(eps, contract, replay=_CountingBackend(), lanes=1)
+    _warm(one, model)
+    first_lane = one.counters()["captures"]
+    backend = _CountingBackend(fail_at=frozenset({first_lane + 1}))  # lane 1's first capture breaks
+    two = cf.optimize(eps, contract, replay=backend, lanes=2)
+    _warm(two, model)
+    assert backend.attempts == 2 * first_lane + 1
+    assert two.counters()["captures"] == 2 * first_lane
+    lane1 = [e for k, e in two.runners().items() if k.startswith("lane1/")]
+    probed = [r for e in lane1 for r in e.classes.values() if r.phase_seconds["probe"] > 0.0]
+    assert len(probed) == 1 and all(r.admitted for e in lane1 for r in e.classes.values())
+    assert _stream(two, model) == _stream(one, model)

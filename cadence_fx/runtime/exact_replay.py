@@ -30,7 +30,7 @@ from cadence_fx.runtime.replay_reports import ClassReport, ReplayCounters, Signa
 from cadence_fx.runtime.rng import host_rng, host_rng_equal, replaying_draws, set_host_rng
 from cadence_fx.runtime.staging import ALIGN, Stage, StagingArena, span_of, staging_buffer
 
-__all__ = ["ExactShapeReplay", "flatten_outputs"]
+__all__ = ["ExactShapeReplay", "ProbeVerdict", "flatten_outputs"]
 
 log = logging.getLogger("cadence_fx.replay")
 
@@ -39,6 +39,15 @@ _TENSORS = (torch.Tensor, torch.nn.Parameter)  # other subclasses may override o
 _WARMUP = 2
 # rewind snapshots go to the host from this size on: a capture must not raise the device peak by the state
 _HOST_SNAPSHOT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProbeVerdict:
+    """What probing a class found, for the same partition's engines on other lanes: whether it draws
+    from the device generator, and which argument positions it writes."""
+
+    device_changed: bool
+    mutated: frozenset[int]
 
 
 @dataclass
@@ -82,8 +91,13 @@ class ExactShapeReplay:
     def __init__(self, fn: Callable[..., Any], *, name: str, aliased: Sequence[int] = (),
                  pool: object = None, backend: ReplayBackend | None = None,
                  clone_outputs: bool = True, readonly: Sequence[int] = (),
-                 mutable: Sequence[int] | None = None, arena: StagingArena | None = None) -> None:
+                 mutable: Sequence[int] | None = None, arena: StagingArena | None = None,
+                 verdicts: dict[Signature, ProbeVerdict] | None = None) -> None:
         self.fn = fn
+        # the probe's findings per class, shared by this partition's engines on every lane: a lane
+        # after the first captures a class a sibling has probed without probing it again
+        self.verdicts = verdicts
+        self._stream_warm = False  # a run of fn on this backend's capture stream has happened
         self.arena = arena
         self.name = name
         self.aliased = tuple(sorted(set(aliased)))
@@ -224,11 +238,28 @@ class ExactShapeReplay:
         # what capture must rewind: the arguments fn writes (known) or may write (not read-only)
         tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                    and (i in self.mutable if self.mutable is not None else i not in self.readonly)}
+        versions = {i: _version(t) for i, t in tensors.items()}
+        rng = (host_rng(), self.backend.device_rng_get())
+        sibling = self.verdicts.get(key) if self.verdicts is not None else None
+        if sibling is not None:
+            # Another lane's engine of this partition probed this class: the same function on buffers
+            # of the same shapes, so the same effects. What is left per lane is the capture itself,
+            # after one eager run on this backend's capture stream if none ran there yet (a library
+            # keeps a workspace per stream, made at its first use: outside the capture, not inside).
+            # With no eager run nothing needs a snapshot: a capture records kernels and runs none.
+            # Should it fail anyway, the class is probed and captured the full way below.
+            warm_runs = 0 if self._stream_warm else 1
+            saved = {i: _snapshot(t) for i, t in tensors.items() if _storage_ptr(t) not in restored_by_caller} \
+                if warm_runs else {}
+            report = self._capture(key, args, tensors, saved, versions, rng, start, {"probe": 0.0},
+                                   sibling.device_changed, set(sibling.mutated), warm_runs)
+            if report.admitted:
+                return report
+            self._refused.pop(key, None)
+            start = time.perf_counter()
         # writes found by comparison need every snapshot; declared writes skip what the caller restores
         skip = restored_by_caller if self.mutable is not None else frozenset()
         saved = {i: _snapshot(t) for i, t in tensors.items() if _storage_ptr(t) not in skip}
-        versions = {i: _version(t) for i, t in tensors.items()}
-        rng = (host_rng(), self.backend.device_rng_get())
         try:
             # on the capture stream, as the warm-up: a library (cuBLAS) keeps a workspace per stream it
             # ran on, so a probe on the caller's stream would leave one more there that no replay uses
@@ -245,8 +276,13 @@ class ExactShapeReplay:
         self._restore(rng, tensors, saved, (mutated | set(self.aliased)) & set(saved), versions)
         if host_changed:
             return self._refuse(key, "host_randomness", permanent=True)
-        phases = {"probe": time.perf_counter() - start}
+        return self._capture(key, args, tensors, saved, versions, rng, start,
+                             {"probe": time.perf_counter() - start}, device_changed, mutated, _WARMUP)
 
+    def _capture(self, key: Signature, args: Sequence[object], tensors: dict[int, torch.Tensor],
+                 saved: dict[int, Any], versions: dict[int, int], rng: Any, start: float,
+                 phases: dict[str, float], device_changed: bool, mutated: set[int], warm_runs: int) -> ClassReport:
+        """Stage, warm up (``warm_runs`` eager runs) and capture one probed class."""
         static_args = list(args)
         stages: list[Stage] = []
         try:
@@ -267,9 +303,10 @@ class ExactShapeReplay:
             if self._captured_fn is None:  # the backend's form of fn (parallel branches), planned once
                 self._captured_fn = getattr(self.backend, "captured_form", lambda f: f)(self.fn)
             with self.backend.side_stream():
-                for _ in range(_WARMUP):
+                for _ in range(warm_runs):
                     self._captured_fn(*static_args)
                     self._rewind_rng(rng)
+            self._stream_warm = self._stream_warm or warm_runs > 0
             phases["stage_and_warmup"] = time.perf_counter() - start - phases["probe"]
             if self.pool is None:
                 self.pool = self.backend.new_pool()
@@ -298,6 +335,8 @@ class ExactShapeReplay:
         )
         keep = tuple(o is not None and _storage_ptr(o) in owned for o in static_outputs)
         self._graphs[key] = _Graph(report, replay, static_args, tuple(stages), static_outputs, rebuild, keep)
+        if self.verdicts is not None:
+            self.verdicts.setdefault(key, ProbeVerdict(device_changed, frozenset(mutated)))
         self.classes[key] = report
         self._refused.pop(key, None)
         self.counters.captures += 1

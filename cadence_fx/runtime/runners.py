@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 
 from cadence_fx.annotations import RANDOM, replay_spec
 from cadence_fx.runtime.backends import ReplayBackend
-from cadence_fx.runtime.exact_replay import ExactShapeReplay
+from cadence_fx.runtime.exact_replay import ExactShapeReplay, ProbeVerdict
 from cadence_fx.runtime.staging import StagingArena
 from cadence_fx.runtime.rng import draw_random, drawing
 
@@ -133,8 +133,14 @@ class RunnerSet:
         return {"graph_pools": sum(r.graph_bytes for r in reports), "staging": sum(r.staging_bytes for r in reports)}
 
 
-def install_runners(gm: GraphModule, backend: ReplayBackend, runners: RunnerSet) -> int:
-    """Swap every annotated partition of ``gm`` for a replay runner; returns how many were installed."""
+def install_runners(gm: GraphModule, backend: ReplayBackend, runners: RunnerSet,
+                    verdicts: dict[str, dict[Any, ProbeVerdict]] | None = None) -> int:
+    """Swap every annotated partition of ``gm`` for a replay runner; returns how many were installed.
+
+    ``verdicts``: the probe findings of every lane's engines, by engine name (the same name on every
+    lane of a program, since lanes install the same partitions in the same order): a lane after the
+    first captures a class without probing it again (:class:`ExactShapeReplay`).
+    """
     installed = 0
     for node in gm.graph.nodes:
         spec = replay_spec(node) if node.op == "call_module" else None
@@ -143,10 +149,12 @@ def install_runners(gm: GraphModule, backend: ReplayBackend, runners: RunnerSet)
         if runners.pool is None:
             runners.pool = backend.new_pool()
         sub = getattr(gm, node.target)
+        name = f"{len(runners.engines)}:{node.target}:{spec.name}"
         engine = ExactShapeReplay(sub, name=spec.name, aliased=spec.aliased, pool=runners.pool, backend=backend,
-                                  readonly=spec.readonly, mutable=spec.written, arena=runners.arena)
+                                  readonly=spec.readonly, mutable=spec.written, arena=runners.arena,
+                                  verdicts=None if verdicts is None else verdicts.setdefault(name, {}))
         setattr(gm, node.target, ReplayRunner(sub, engine, runners.gate, random=bool(node.meta.get(RANDOM))))
-        runners.engines[f"{len(runners.engines)}:{node.target}:{spec.name}"] = engine
+        runners.engines[name] = engine
         installed += 1
     return installed
 
