@@ -20,15 +20,21 @@
 #   scripts/gpu.sh cadence --cells SRc --gpus 1,2 --sessions 44/84,88 --pack --lanes 8 --warm-seconds 5 \
 #       --time-budget 530   the same on one GPU and on two (nvidia-h200-x2), one process per GPU, a warm stream
 #                           first, each one-GPU N twice side by side (--pack pairs only rows of the same N)
+#   scripts/gpu.sh serve [flags]   Token2Wav served on Ray on one GPU (benchmarks/serve_token2wav.py): worker ready
+#                                  time, routing overhead, migration, failover, checkpoint cost; needs Ray and Serve's
+#                                  wheels in .whl/ (bash scripts/device_bundle.sh); checks `import ray, ray.serve` first
 # Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run),
-# cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log, code2wav.json, code2wav-rows.jsonl, code2wav.log.
+# cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log, code2wav.json, code2wav-rows.jsonl, code2wav.log,
+# serve.json (rewritten after every phase), serve.log, ray-logs/ (the tails of the Ray session's logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# once per machine: queues started side by side must not install into one folder at the same time
+# once per machine and set of wheels (a warm machine that installed another set installs this one too):
+# queues started side by side must not install into one folder at the same time
 if ls .whl/*.whl >/dev/null 2>&1; then
-  if [ ! -e /tmp/site/.installed ]; then
+  stamp=/tmp/site/.installed-$(ls -l .whl/*.whl | awk '{print $5, $NF}' | md5sum | cut -c1-12)
+  if [ ! -e "$stamp" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      && touch /tmp/site/.installed
+      && touch "$stamp" /tmp/site/.installed
   fi
   export PYTHONPATH=/tmp/site
 fi
@@ -47,8 +53,20 @@ case "${1:-}" in
   moshi-cadence) shift; python3 benchmarks/cadence.py --model moshi --json "$OUT/moshi-cadence.json" \
                    --rows "$OUT/moshi-cadence-rows.jsonl" "$@" 2>&1 | tee -a "$OUT/moshi-cadence.log" ;;
   cold) shift; python3 benchmarks/cold_start.py --json "$OUT/cold_start.json" "$@" 2>&1 | tee -a "$OUT/cold_start.log" ;;
+  serve) shift
+         python3 -c "import ray, ray.serve; print('ray', ray.__version__, 'with serve, from', ray.__file__)" || {
+           echo "gpu.sh serve: Ray does not import here (build .whl/ with scripts/device_bundle.sh and carry it)" >&2
+           exit 3; }
+         # what Serve's runtime imports beyond ray.serve (its controller, proxy, replica), and the versions it met
+         python3 -c "import ray.serve._private.controller, ray.serve._private.proxy, ray.serve._private.replica, \
+fastapi, pydantic, uvicorn, websockets, grpc, google.protobuf as pb; print('serve runtime imports:', 'fastapi', \
+fastapi.__version__, 'pydantic', pydantic.__version__, 'grpcio', grpc.__version__, 'protobuf', pb.__version__)" \
+           || echo "gpu.sh serve: Serve's runtime does not import (the benchmark uses Ray core only: going on)" >&2
+         df -h /dev/shm /tmp 2>/dev/null | sed 's/^/  /'
+         python3 benchmarks/serve_token2wav.py --json "$OUT/serve.json" --ray-logs "$OUT/ray-logs" "$@" 2>&1 \
+           | tee -a "$OUT/serve.log" ;;
   code2wav) shift; python3 benchmarks/code2wav.py --json "$OUT/code2wav.json" --rows "$OUT/code2wav-rows.jsonl" "$@" 2>&1 \
               | tee -a "$OUT/code2wav.log" ;;
-  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | moshi-cadence [flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags]" >&2
+  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | moshi-cadence [flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags] | serve [benchmarks/serve_token2wav.py flags]" >&2
      exit 2 ;;
 esac
