@@ -341,11 +341,13 @@ class Bench:
 
         a = self.args
         t0 = time.perf_counter()
+        store, where = _object_store_bytes(int(a.object_store_gib * 2**30))
         ray.init(address="local", num_cpus=a.ray_cpus, num_gpus=1 if a.device == "cuda" else 0,
-                 object_store_memory=int(a.object_store_gib * 2**30), include_dashboard=False,
+                 object_store_memory=store, include_dashboard=False,
                  log_to_driver=a.worker_logs, runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         wire.install()
         self.report["ray"] = {"version": ray.__version__, "init_s": time.perf_counter() - t0,
+                              "object_store_bytes": store, "object_store_in": where,
                               "resources": ray.cluster_resources()}
         log(f"ray {ray.__version__} head up in {self.report['ray']['init_s']:.1f} s: {ray.cluster_resources()}")
         self.prompt_ref = ray.put(self.model.prompt)
@@ -608,6 +610,24 @@ class Bench:
         if self.args.ray_logs:
             _copy_ray_logs(Path(self.args.ray_logs))
         ray.shutdown()
+
+
+def _object_store_bytes(want: int) -> tuple[int, str]:
+    """The object store's size and where it lives: ``want`` in /dev/shm where it has room, else what
+    /dev/shm has (from 8 GiB: a released-size conversation's state is about 0.4-0.6 GiB, its prompt
+    0.6 GiB), else ``want`` on the disk (Ray refuses a store over 10 GB that /dev/shm cannot hold unless
+    told slow storage is allowed)."""
+    try:
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    if free >= want:
+        return want, "/dev/shm"
+    if free >= 8 << 30:
+        return int(free * 0.9), f"/dev/shm (it has {free / 2**30:.1f} GiB free)"
+    os.environ["RAY_OBJECT_STORE_ALLOW_SLOW_STORAGE"] = "1"
+    return want, f"{tempfile.gettempdir()} (/dev/shm has {free / 2**30:.1f} GiB free)"
 
 
 def _gpu_used_mib() -> int | None:
