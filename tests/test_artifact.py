@@ -225,19 +225,16 @@ def test_verify_mode_is_not_saved(demo, tmp_path):
 def token2wav(tmp_path_factory):
     # the module pytest collected (tests/ is on sys.path): its catalog cache is shared with its tests
     from test_upstream_cpu import CALLS as T2W_CALLS
-    from test_upstream_cpu import full_step_0_1_2
+    from test_upstream_cpu import full_step_0_1_2, saved_chunk_program_0_1_2
 
-    from cadence_fx.adapters.token2wav import Token2WavConfig, token2wav_contract
+    from cadence_fx.adapters.token2wav import Token2WavConfig
 
     cfg = Token2WavConfig.reduced()
     # the catalog the upstream tests share (exported with the estimator visible), at the chunk clock
     step, _prompt, state, fresh, _step_contract, eps = full_step_0_1_2(cfg)
-    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
     assert len(fresh) == T2W_CALLS
-    # eager (replay is the demo tests' concern; capture on the CPU costs more calls than the stream)
-    prog = cf.optimize(eps, contract, replay="off")
-    path = tmp_path_factory.mktemp("artifact") / "token2wav.cfx"
-    cf.save(prog, path)
+    # eager (replay is the demo tests' concern), saved once for this and the serving tests
+    contract, prog, path, _sha = saved_chunk_program_0_1_2(cfg, tmp_path_factory)
     return step, state, fresh[:T2W_STREAM], contract, eps, prog, path
 
 

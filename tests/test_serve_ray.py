@@ -5,7 +5,9 @@ against the same conversation run alone through the unmodified exported programs
 One local Ray cluster for the module (three nodes of one CPU each: the object store moves state
 between nodes as between machines), one demo artifact saved once, workers loaded from it with one lane
 and replay off (the CPU). Workers are killed with ``ray.kill`` and with ``SIGKILL`` of their process
-while chunks of several conversations are in flight.
+while chunks of several conversations are in flight. Chunks go through the controller (two hops) or
+through a :class:`Router` in this process (one hop, the journal here). The reduced Token2Wav (its
+saved artifact, shared with the artifact tests) is served by two more workers through a router.
 """
 
 from __future__ import annotations
@@ -665,24 +667,37 @@ def test_checkpoints_left_in_the_workers_object_store_survive_a_sigkill_of_it(cl
 
 
 # --------------------------------------------------------------------------- the reduced Token2Wav
-T2W_CHUNKS = 6  # the attention histories at 16, 26, 36 frames, then trimmed: every catalog class
+T2W_CHUNKS = 5  # the attention histories at 16, 26, 36 frames, then trimmed: every catalog class
 
 
 @pytest.fixture(scope="module")
 def token2wav(tmp_path_factory):
-    """The reduced Token2Wav (stepaudio2 0.1.2, random weights) optimized and saved once: the catalog
-    of the module pytest collected (tests/ is on sys.path), whose export the upstream and artifact
-    tests share."""
-    from test_upstream_cpu import full_step_0_1_2
+    """The reduced Token2Wav (stepaudio2 0.1.2, random weights) at the chunk clock, saved once for the
+    session: the export and the artifact the upstream and artifact tests share (the module pytest
+    collected, tests/ on sys.path)."""
+    from test_upstream_cpu import full_step_0_1_2, saved_chunk_program_0_1_2
 
-    from cadence_fx.adapters.token2wav import Token2WavConfig, token2wav_contract
+    from cadence_fx.adapters.token2wav import Token2WavConfig
 
     cfg = Token2WavConfig.reduced()
     step, prompt_args, state, _fresh, _contract, eps = full_step_0_1_2(cfg)
-    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
-    path = tmp_path_factory.mktemp("serve-t2w") / "token2wav.cfx"
-    digest = cf.save(cf.optimize(eps, contract, replay="off"), path)["sha256"]
+    contract, _prog, path, digest = saved_chunk_program_0_1_2(cfg, tmp_path_factory)
     return step, prompt_args[2], state, contract, eps, str(path), digest
+
+
+def token2wav_solo(step, state, eps, fresh, seed: int) -> list:
+    """A conversation run alone through the unmodified exported programs, seeded as its session is (HiFT
+    draws: the same numbers), on one thread as the workers (a float sum's order depends on it)."""
+    from cadence_fx.adapters.token2wav import CatalogReference, run_stream
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return run_stream(CatalogReference(eps), step, state, fresh)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.upstream
@@ -690,19 +705,22 @@ def test_token2wav_conversations_placed_moved_and_failed_over_give_their_solo_pc
     """Two workers serve reduced-Token2Wav conversations from the saved artifact through a router:
     placed one per worker, one moved onto the other mid-stream, that worker killed with both chunks in
     flight (both resumed on the first from their checkpoints, the router's journal re-run). HiFT draws
-    random numbers: the sessions' streams (seeded per conversation) travel in every export, so each
-    PCM stream is its solo run's through the stock exported programs, seeded the same."""
-    from cadence_fx.adapters.token2wav import CatalogReference, run_stream
+    random numbers: a session's streams (seeded per conversation) travel in every export, so each PCM
+    stream is its solo run's through the stock exported programs, seeded the same."""
+    from cadence_fx.serve.controller import ServeController
 
     step, spk, state, contract, eps, path, digest = token2wav
     config = WorkerConfig(path, sha256=digest, lanes=1, replay="off", capacity=2, threads=1)
-    policy = CheckpointPolicy(every=3)
-    ctl = start_controller([config] * 2, config=ControllerConfig(checkpoint=policy, health_interval_s=0.5),
-                           name="token2wav", worker_options=OPTIONS)
+    policy = ControllerConfig(checkpoint=CheckpointPolicy(every=2), health_interval_s=0.5)
+    # start_controller's steps, the workers' start (load, warm-up) left running while the solo runs go
+    ctl = ray.remote(ServeController).options(name="token2wav", num_cpus=0, max_concurrency=1000).remote(policy)
+    joining = [ctl.add_worker.remote(config, f"worker-{i}", OPTIONS) for i in range(2)]
     try:
-        router = Router(ctl)
         seeds = {"t0": 5, "t1": 6}
         fresh = {c: step.fresh(T2W_CHUNKS, spk, seed=s) for c, s in seeds.items()}
+        solo = {c: token2wav_solo(step, state, eps, fresh[c], s) for c, s in seeds.items()}
+        ray.get(joining)
+        router = Router(ctl)
         initial = {r.name: state[r.input] for r in contract.regions}
         placed = {c: router.open(c, seed=s, prompt=initial)["worker"] for c, s in seeds.items()}
         assert sorted(placed.values()) == ["worker-0", "worker-1"]
@@ -719,17 +737,14 @@ def test_token2wav_conversations_placed_moved_and_failed_over_give_their_solo_pc
         chunk(1)
         ray.get(ctl.migrate.remote("t0", placed["t1"]))  # both on one worker now
         chunk(2)
-        chunk(3)
-        chunk(4, kill=placed["t1"])  # both resumed on the other
-        chunk(5)
+        chunk(3, kill=placed["t1"])  # both resumed on the other
+        chunk(4)
         assert set(affinity(ctl).values()) == {placed["t0"]}
         assert {r["conv_id"] for r in ray.get(ctl.resumes.remote())} == set(seeds)
-        for c, seed in seeds.items():
-            with torch.random.fork_rng():
-                torch.manual_seed(seed)  # the session's seed: the solo run draws the same numbers
-                solo = run_stream(CatalogReference(eps), step, state, fresh[c])
-            assert sha256([o[0] for o in got[c]]) == sha256([o[0] for o in solo]), f"{c}: PCM differs"
-            assert sha256([t for o in got[c] for t in o]) == sha256([t for o in solo for t in o[:2]])
+        assert ray.get(ctl.status.remote())["metrics"]["counters"]["replayed_chunks"] > 0  # the router's journal
+        for c in seeds:
+            assert sha256([o[0] for o in got[c]]) == sha256([o[0] for o in solo[c]]), f"{c}: the PCM differs"
+            assert sha256([t for o in got[c] for t in o]) == sha256([t for o in solo[c] for t in o[:2]])  # + mel
     finally:
         for name, w in ray.get(ctl.status.remote())["workers"].items():
             if w["alive"]:

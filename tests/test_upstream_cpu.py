@@ -208,6 +208,24 @@ def full_step_0_1_2(cfg):
     return _CATALOGS[key]
 
 
+_SAVED: dict[str, tuple] = {}
+
+
+def saved_chunk_program_0_1_2(cfg, tmp_path_factory):
+    """:func:`full_step_0_1_2`'s catalog at the chunk clock, optimized eagerly (replay off: capture on
+    the CPU costs more calls than the streams) and saved once per session: ``(contract, program, path,
+    sha256)``. The artifact and serving tests share it (the optimize and the save are most of their
+    set-up); they read the file, and only the artifact tests call the program."""
+    key = repr(cfg)
+    if key not in _SAVED:
+        *_, eps = full_step_0_1_2(cfg)
+        contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
+        prog = cf.optimize(eps, contract, replay="off")
+        path = tmp_path_factory.mktemp("token2wav-artifact") / "token2wav.cfx"
+        _SAVED[key] = contract, prog, path, cf.save(prog, path)["sha256"]
+    return _SAVED[key]
+
+
 def test_full_step_0_1_2(cfg):
     """Flow chunk + both trims + HiFT (mel/source/speech caches, fade, device randomness), chunk clock,
     verify mode, and a mid-stream rollback to an earlier snapshot (foreign tensors copied in)."""
