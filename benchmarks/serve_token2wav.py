@@ -296,10 +296,12 @@ class Bench:
     def phase(self, name: str, fn: Any) -> None:
         t0 = time.perf_counter()
         log(f"phase {name}")
+        self.report["phase_running"] = name
         try:
             fn()
         finally:
             self.report["phases"][name] = time.perf_counter() - t0
+            self.report.pop("phase_running", None)
             self.save()
 
     def left(self) -> float:
@@ -663,6 +665,33 @@ def _copy_ray_logs(dest: Path, per_file: int = 256 << 10, total: int = 8 << 20) 
         used += len(data)
 
 
+def _watchdog(bench: Bench, deadline: float) -> None:
+    """At ``deadline`` seconds from this process's start: the report as it stands (``error: deadline``),
+    the Ray logs copied, this node's Ray processes ended, and exit 124, so that a device call's output
+    comes back before the call's own limit ends it with nothing written."""
+    import threading
+
+    def fire() -> None:
+        log(f"DEADLINE: {deadline:.0f} s reached; writing what was measured and stopping")
+        bench.report["error"] = f"deadline: stopped at {deadline:.0f} s, in phase {bench.report.get('phase_running')}"
+        try:
+            bench.targets()
+            bench.save()
+            if bench.args.ray_logs:
+                _copy_ray_logs(Path(bench.args.ray_logs))
+            import ray
+
+            node = ray._private.worker._global_node
+            if node is not None:
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
+        finally:
+            os._exit(124)
+
+    timer = threading.Timer(max(1.0, deadline - (time.perf_counter() - T_START)), fire)
+    timer.daemon = True
+    timer.start()
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (the CPU smoke test)")
@@ -690,7 +719,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="after the failover, a new worker joins and takes a conversation")
     ap.add_argument("--stock-chunks", type=int, default=4, help="chunks of the stock step the solo run is checked "
                                                                 "against (0: none)")
-    ap.add_argument("--time-budget", type=float, default=520.0, help="seconds; the replacement is skipped past it")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds from the start (default 440 on a GPU, none on the CPU); the replacement worker is "
+                         "skipped when less than a minute is left")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from the start (default 520 on a GPU, none on the CPU): write the report, end Ray, "
+                         "exit 124 (0: none)")
     ap.add_argument("--call-timeout", type=float, default=300.0, help="seconds any one Ray call may take")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds a worker may take to be ready")
     ap.add_argument("--worker-logs", action=argparse.BooleanOptionalAction, default=True,
@@ -715,6 +749,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_chunks = max(args.warm + args.chunks, args.warm + 1 + args.moves + args.checkpoints,
                           args.warm + args.every // 2 + 6)
     args.replacement_needs_s = 60.0 if gpu else 30.0
+    args.time_budget = args.time_budget if args.time_budget is not None else (440.0 if gpu else math.inf)
+    args.deadline = args.deadline if args.deadline is not None else (520.0 if gpu else 0.0)
     return args
 
 
@@ -723,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":  # the workers' setting (WorkerConfig.threads): one reduction order everywhere
         torch.set_num_threads(1)
     bench = Bench(args)
+    if args.deadline:
+        _watchdog(bench, args.deadline)
     folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="cadence_fx_serve_"))
     folder.mkdir(parents=True, exist_ok=True)
     status = 1
