@@ -645,7 +645,7 @@ def _copy_ray_logs(dest: Path, per_file: int = 256 << 10, total: int = 8 << 20) 
     try:
         import ray
 
-        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"  # type: ignore[attr-defined]
     except Exception:
         logs = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
     if not logs.is_dir():
