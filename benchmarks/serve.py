@@ -144,17 +144,19 @@ class Client:
         want = self.model.solo(self.seed, self.k)
         return None if want is None else sha256_tensors(self.frames) == want
 
-    def timed(self, warm: int, chunks: int) -> tuple[list[float], list[float]]:
-        """``warm`` untimed chunks, then ``chunks`` timed: latencies and what each added over the chunk's
-        in-process cost (the session call with its outputs on the host, timed in the worker)."""
+    def timed(self, warm: int, chunks: int) -> tuple[list[float], list[float], list[float]]:
+        """``warm`` untimed chunks, then ``chunks`` timed: latencies, what each added over the chunk's
+        in-process cost (the session call with its outputs on the host, timed in the worker), and the
+        worker's own time outside that call (its sequence check, the chunk's layout, the digest)."""
         for _ in range(warm):
             self.step()
-        lat, added = [], []
+        lat, added, inside = [], [], []
         for _ in range(chunks):
             res, t = self.step()
             lat.append(t)
             added.append(t - res.call_s)
-        return lat, added
+            inside.append(res.worker_s - res.call_s)
+        return lat, added, inside
 
 
 class RoutedClient(Client):
@@ -197,10 +199,10 @@ def run_size(model: Model, args: argparse.Namespace, index: int) -> dict[str, An
     # and straight to a worker's handle
     r = Client(ctl, model, "routing", 1)
     r.open("worker-0")
-    lat, added = r.timed(10, args.chunks)
+    lat, added, _inside = r.timed(10, args.chunks)
     routed = RoutedClient(Router(ctl), model, "routed", 4)
     routed.open("worker-1")
-    rlat, radded = routed.timed(10, args.chunks)
+    rlat, radded, rinside = routed.timed(10, args.chunks)
     worker = handles["worker-1"]
     ray.get(worker.open.remote("direct", 2, model.prompt(2)))
     dlat, dadded = [], []
@@ -221,7 +223,8 @@ def run_size(model: Model, args: argparse.Namespace, index: int) -> dict[str, An
                 ts.append(time.perf_counter() - t)
         floor[what] = ms(ts)
     row["routing"] = {"latency": ms(lat), "added": ms(added), "direct_latency": ms(dlat), "direct_added": ms(dadded),
-                      "router_latency": ms(rlat), "router_added": ms(radded), "ping": floor,
+                      "router_latency": ms(rlat), "router_added": ms(radded), "worker_outside_call": ms(rinside),
+                      "ping": floor,
                       "controller_overhead": ray.get(ctl.status.remote())["metrics"]["routing"],
                       "router_overhead": ray.get(ctl.status.remote())["metrics"]["routing_router"],
                       "local": local_baseline(model, args) if model.eps is not None and args.local else None}
