@@ -49,10 +49,30 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["TABLE", "UNREADABLE", "KernelSetting", "SettingDiff", "apply", "diff", "key", "snapshot"]
+__all__ = ["TABLE", "UNREADABLE", "KernelSetting", "SettingDiff", "apply", "diff", "key", "settle", "snapshot"]
 
 _C = torch._C
 UNREADABLE = "unreadable"  # the value of a setting whose getter raised (mixed TF32 APIs)
+_settled: set[tuple[str, int | None]] = set()
+
+
+def settle(device: torch.device | str) -> None:
+    """Make the settings a torch build sets at their first use on a device read as every later call
+    will see them: one tiny attention call there, once per device and process.
+
+    On an H200 (torch 2.11) an artifact saved by a process that had run attention on the GPU recorded
+    ``sdpa.priority_order`` ``[3, 1, 2, 0, 4]`` (cuDNN first, as torch prefers on that GPU), and a fresh
+    process loading it, which had not yet run attention, read ``[1, 2, 0, 3, 4]``: nothing the user
+    set differed. A comparison or a replay key taken before the first attention call would differ
+    from one taken after it.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda" or (dev.type, dev.index) in _settled:
+        return
+    _settled.add((dev.type, dev.index))
+    q = torch.zeros(1, 1, 1, 8, device=dev)
+    with torch.no_grad():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ def check_environment(manifest: Mapping[str, Any], device: str | torch.device | 
         if name != dev["name"]:
             raise ArtifactMismatch(f"cadence_fx.load: the artifact was optimized on a {dev['name']}, {target} is a "
                                    f"{name}: kernel choice and bits may differ; optimize again on this GPU")
+    kernel_settings.settle(target)  # the settings torch sets at their first use, as every later call sees them
     # settings unknown to this torch's table are ignored, as are the table's entries an older writer lacked
     diffs = kernel_settings.diff(manifest["settings"])
     if diffs:

@@ -4,8 +4,8 @@ The passes are deterministic functions of the exported programs and the contract
 would get the same graphs: only the tensors a lane owns differ (its region buffers and workspaces,
 and the module buffers its graphs write, which :func:`~cadence_fx.runtime.lanes.privatize_written_buffers`
 copies afterwards). Running the pipeline per lane spends most of ``optimize``'s time on graph work
-(unlifting, analyses, code generation after each pass) that yields the same graphs again. Copying
-lane 0's modules costs one graph copy and one code generation per module.
+(unlifting, analyses, code generation after each pass) that yields the same graphs again. A copy
+shares lane 0's graphs and generated code (:func:`_sharing_code`) and rebinds only the tensors.
 
 What is copied is checked, not assumed: a module that is not a plain graph module or container, a
 hook, an attribute that is neither tensor nor module, or a tensor that views a lane-owned storage
@@ -15,11 +15,10 @@ by the passes instead.
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
-from torch.fx import Graph, GraphModule
+from torch.fx import GraphModule
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from cadence_fx.analysis.ops import is_export_guard
@@ -76,17 +75,31 @@ def _plain_graph_module(mod: torch.nn.Module) -> bool:
     return cls in _PLAIN_GRAPH_MODULES
 
 
-def _copy_graph(graph: Graph) -> Graph:
-    """The nodes (their meta copied shallowly: the runtime's annotations are read, never written) and
-    the output, as ``copy.deepcopy(graph)`` makes them; the code generator (the pytree signature) is
-    shared instead of deep-copied, as nothing changes it in place (and deep-copying its specs warns)."""
-    new = Graph(tracer_cls=graph._tracer_cls)
-    out = new.graph_copy(graph, {}, return_output_node=True)
-    new._codegen = graph._codegen
-    if out is not None:
-        value, old_output = out
-        node = new.output(value, type_expr=getattr(old_output, "type", None))
-        node.meta = copy.copy(old_output.meta)
+# what a graph module holds of its code, shared by a copy: the graph it was generated from, the source
+# and its line map, the pytree specs and the tracer it was made with
+_CODE_FIELDS = ("_graph", "_code", "_lineno_map", "_prologue_start", "_in_spec", "_out_spec", "_tracer_cls",
+                "_tracer_extras", "shape_env")
+_HOOK_LISTS = ("_erase_node_hooks", "_create_node_hooks", "_replace_hooks", "_deepcopy_hooks")
+
+
+def _sharing_code(mod: GraphModule) -> GraphModule:
+    """An empty module of ``mod``'s own class (torch gives every graph module instance a class of its
+    own, whose ``forward`` is the code generated from its graph) holding ``mod``'s graph and code: the
+    lane's copy runs the same compiled code on its own attributes, with no graph copy and no code
+    generation (which were most of a lane's construction time: seconds per lane for Token2Wav's step
+    programs). Nothing edits a graph once its lane is built; installing a lane's runners and random
+    guards rebinds attributes, and a recompile regenerates the same code from the same graph."""
+    # object.__new__, not the class's: GraphModule.__new__ makes a fresh class (with no code) per call
+    new = object.__new__(type(mod))
+    torch.nn.Module.__init__(new)
+    fields = vars(mod)
+    for name in _CODE_FIELDS:
+        if name in fields:
+            object.__setattr__(new, name, fields[name])
+    for name in _HOOK_LISTS:
+        if name in fields:
+            object.__setattr__(new, name, list(fields[name]))
+    new.meta = dict(mod.meta)
     return new
 
 
@@ -118,8 +131,7 @@ def copy_program(root: GraphModule, rebind: Mapping[int, torch.Tensor], owned: f
             if getattr(mod, hooks, None):
                 raise NotCopyable(f"{at} has {hooks}")
         if _plain_graph_module(mod):
-            new: torch.nn.Module = GraphModule(torch.nn.Module(), Graph(), class_name=mod.__class__.__name__)
-            new.meta = dict(mod.meta)
+            new: torch.nn.Module = _sharing_code(mod)
         elif type(mod) is torch.nn.Module:
             new = torch.nn.Module()
         else:
@@ -150,9 +162,6 @@ def copy_program(root: GraphModule, rebind: Mapping[int, torch.Tensor], owned: f
                 new.add_module(name, child)
             else:
                 new.add_module(name, copy_module(child, f"{path}.{name}" if path else name))
-        if isinstance(new, GraphModule):
-            assert isinstance(mod, GraphModule)
-            new.graph = _copy_graph(mod.graph)  # generates and compiles the copy's code
         return new
 
     out = copy_module(root, "")

@@ -24,6 +24,7 @@ import torch
 
 from cadence_fx.analysis.branch_plan import BranchPlan
 from cadence_fx.determinism import bits_equal
+from cadence_fx import kernel_settings
 from cadence_fx.kernel_settings import key as _kernel_key
 from cadence_fx.runtime.backends import CudaGraphBackend, ReplayBackend
 from cadence_fx.runtime.replay_reports import ClassReport, ReplayCounters, Signature
@@ -216,6 +217,8 @@ class ExactShapeReplay:
         """
         if not self._live:
             return self._refuse(None, "no_backend")
+        if getattr(self.backend, "device_type", None) == "cuda":  # the key as every later call computes it
+            kernel_settings.settle(self.backend.device)
         key = self.signature(args)
         if key is None:
             return self._refuse(None, "unkeyable_argument")
