@@ -28,6 +28,7 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray.exceptions import RayActorError  # noqa: E402
 
 import cadence_fx as cf  # noqa: E402
 from cadence_fx.serve import wire  # noqa: E402
@@ -168,12 +169,23 @@ class RoutedStreams(Streams):
     def __init__(self, router, demo, seeds: dict[str, int]):
         super().__init__(router.controller, demo, seeds)
         self.router = router
+        self.refused_twice = 0
 
     def open(self):
         return [self.router.open(c, seed=s, prompt=prompt(self.demo[0], s)) for c, s in self.seeds.items()]
 
     def send(self, conv, seq, inputs):
-        return POOL.submit(self.router.step, conv, seq, inputs)
+        return POOL.submit(self.step, conv, seq, inputs)
+
+    def step(self, conv, seq, inputs):
+        """The router re-asks and retries a refused chunk once; a client sends it again after a second
+        refusal (two moves of the conversation while one chunk is on its way): nothing was applied."""
+        for _attempt in range(4):
+            try:
+                return self.router.step(conv, seq, inputs)
+            except (Fenced, RayActorError):
+                self.refused_twice += 1
+        raise AssertionError(f"{conv}: chunk {seq} refused 8 times")
 
     def result(self, ref):
         return ref.result(timeout=60)
@@ -431,12 +443,15 @@ def test_a_hung_worker_is_found_by_its_ping_fenced_and_failed_over(ctl, demo):
     ray.get(ctl.add_worker.remote(worker_config(demo), "worker-5", OPTIONS))  # a replacement
 
 
-def test_moves_checkpoints_and_a_kill_at_random_during_traffic_keep_every_stream_exact(ctl, demo):
+@pytest.mark.parametrize("path", ["controller", "router"])
+def test_moves_checkpoints_and_a_kill_at_random_during_traffic_keep_every_stream_exact(ctl, demo, path):
     """Chunks of six conversations in flight while migrations, rebalances, checkpoints and a kill land
     between them at random (seeded; ``CADENCE_SERVE_SEED`` picks another schedule: seeds 0-4 pass): each
-    is serialized with the conversation's chunks by its lock."""
+    is serialized with the conversation's chunks by its lock, or (through a router) refused at the
+    worker while a move freezes it and sent where it went."""
     rng = random.Random(int(os.environ.get("CADENCE_SERVE_SEED", "0")))
-    s = Streams(ctl, demo, {f"r{i}": 100 + i for i in range(6)})
+    seeds = {f"r{i}": 100 + i for i in range(6)}
+    s = Streams(ctl, demo, seeds) if path == "controller" else RoutedStreams(Router(ctl), demo, seeds)
     s.open()
     for r in range(14):
         live = [n for n, w in ray.get(ctl.status.remote())["workers"].items() if w["alive"]]
@@ -461,7 +476,7 @@ def test_moves_checkpoints_and_a_kill_at_random_during_traffic_keep_every_stream
                 pass
     s.check()
     s.close()
-    ray.get(ctl.add_worker.remote(worker_config(demo), "worker-4", OPTIONS))  # a replacement
+    ray.get(ctl.add_worker.remote(worker_config(demo), f"worker-4-{path}", OPTIONS))  # a replacement
 
 
 # --------------------------------------------------------------------------- one hop: a router in this process

@@ -10,7 +10,10 @@ a base it can be rebuilt from and the chunks applied since:
   worker's machine) or left in the worker node's object store (``"worker"``: no copy through the
   controller; it outlives the worker's process, not its machine);
 - the journal keeps each chunk applied since the base: its sequence number, its inputs, and the
-  SHA-256 of the outputs the client was sent.
+  SHA-256 of the outputs the client was sent. The controller keeps it for the chunks it routes; for a
+  conversation streamed by a router (:mod:`cadence_fx.serve.router`) the router keeps it, and the
+  resume here imports the base alone, under a new epoch; the router's ``reroute``
+  (:mod:`cadence_fx.serve.routes`) re-runs its entries through :func:`replay_checked`.
 
 :func:`resume` rebuilds a conversation on another worker: import the base, re-run the journal's chunks
 in order (one call, :meth:`ConversationWorker.replay`), and check each re-run's digest against what

@@ -99,6 +99,7 @@ class _Conv:
     routed: bool = False  # its chunks come from a router, which keeps the journal since the base
     epoch: int = 0  # the placement's fence token: +1 at every move and resume
     lagging: bool = False  # routed, resumed, and the router's journal not re-run yet
+    also_on: str | None = None  # during a move, the other worker with a copy: its slot counts there
     snapshots: collections.OrderedDict[str, tuple[Any, int]] = field(default_factory=collections.OrderedDict)
 
 
@@ -345,7 +346,10 @@ class ServeController(Moves, Failover, Turns, Routes):
         return w is not None and w.alive
 
     def _counts(self) -> dict[str, int]:
-        return collections.Counter(c.worker for c in self._convs.values())
+        """Conversations per worker, a move's reservation on its target included."""
+        counts = collections.Counter(c.worker for c in self._convs.values())
+        counts.update(c.also_on for c in self._convs.values() if c.also_on not in (None, c.worker))
+        return counts
 
     def _views(self) -> list[WorkerView]:
         counts = self._counts()

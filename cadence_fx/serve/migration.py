@@ -133,6 +133,14 @@ class Moves:
                 "it is dead" if not view.alive else "it is draining" if view.draining
                 else f"it is at capacity ({view.conversations}/{view.capacity})"))
         src = self._workers[conv.worker]
+        conv.also_on = target  # counted on the target from here (then on the source until it is closed
+        # there): no open or resume takes a slot a worker's own count still holds
+        try:
+            return await self._move(conv, src, dst, target)
+        finally:
+            conv.also_on = None
+
+    async def _move(self, conv: Any, src: Any, dst: Any, target: str) -> MoveReport:
         t0 = time.perf_counter()
         # frozen at the source from the export on (a router's chunk there is refused: Fenced); the
         # state stays in the object store, only its header comes here
@@ -150,7 +158,7 @@ class Moves:
                 raise e.as_instanceof_cause() from None
             raise NoWorkers(f"moving {conv.conv_id!r} from {src.name} to {target} failed: "
                             f"{'source' if not src_ok else 'target'} died; the conversation is on {conv.worker}") from None
-        conv.worker, conv.epoch, conv.next_seq = target, conv.epoch + 1, next_seq
+        conv.worker, conv.epoch, conv.next_seq, conv.also_on = target, conv.epoch + 1, next_seq, src.name
         try:
             await src.handle.close.remote(conv.conv_id, moved=True)  # a late chunk there: Fenced, not closed
         except (RayActorError, RayTaskError) as e:  # the move is done either way
