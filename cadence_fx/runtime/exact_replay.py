@@ -9,6 +9,10 @@ one lane are :mod:`cadence_fx.runtime.staging`'s.
 Graph memory per class (``ClassReport.graph_bytes``) is the change of ``torch.cuda.memory_reserved()``
 across the capture, i.e. what the graph's private pool newly took from the device. Classes sharing
 one pool can reuse blocks freed by earlier captures, so later classes may report less.
+
+Why one module: keying a call, capturing its class and replaying it are one engine over one private
+table (the captured graphs, the refusals, the staged buffers and the counters); the parts that stand
+alone (the backends, staging, the reports, host RNG) already live beside it.
 """
 
 from __future__ import annotations
