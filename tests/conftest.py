@@ -17,7 +17,11 @@ _GROUPS = {"test_serve_ray": "ray", "test_serve_frontend": "ray", "test_serve_to
            "test_artifact": "token2wav", "test_upstream_cpu": "token2wav"}
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)  # two workers on two cores: one thread each, no oversubscription
+    # two workers on two cores: one thread each, no oversubscription; the processes a test starts get
+    # the same (a CPU program's bytes depend on its thread count: a loaded artifact in a child process
+    # with two threads gave other bytes than the same program here with one)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
