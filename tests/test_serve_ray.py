@@ -306,6 +306,7 @@ def test_migration_mid_stream_is_bit_exact(ctl, demo):
     target = next(w for w in ("worker-0", "worker-1", "worker-2") if w != source)
     report = ray.get(ctl.migrate.remote("mover", target))
     assert (report.source, report.target) == (source, target) and report.nbytes > 0 and report.seconds > 0
+    assert report.path == "host"  # CPU workers name no GPU: no device handoff
     assert affinity(ctl)["mover"] == target
     src = ray.get(ctl.worker_handle.remote(source))
     assert "mover" not in ray.get(src.conversations.remote())

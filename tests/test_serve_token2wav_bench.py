@@ -36,12 +36,15 @@ def test_serve_benchmark_runs_every_phase_end_to_end_with_every_stream_exact(tmp
     assert "error" not in rep, rep["error"]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert rep["exact"] and rep["lost_chunks"] == 0 and rep["answered_twice"] == 0
-    assert set(rep["streams"]) == {"routing", "direct", "mover", "f0", "f1", "f2"}
+    assert set(rep["streams"]) == {"routing", "router", "direct", "mover", "f0", "f1", "f2"}
     assert rep["stock_prefix_exact"] is True  # the served bytes are the stock driver's
     assert set(rep["ready"]) == {"worker-0", "worker-1"}
     assert rep["migration"]["bytes"] == rep["state_bytes"] > 0
+    assert rep["migration"]["paths"] == ["host"] and rep["migration"]["host"]["n"] == 1  # CPU workers: no GPU to share
+    assert rep["routing"]["router_latency"]["n"] == 3 and rep["routing"]["router_stats"]["chunks"] == 6
     fo = rep["failover"]
     assert all(w != "worker-0" for c, w in fo["served_by"].items())  # resumed on the survivor
     assert len(fo["resumes"]) == 2 and fo["replayed"] == [1, 1]  # every 2 chunks: half a period re-run
-    assert set(rep["targets"]) == {"worker_ready_le_20s", "routing_added_p99_le_2ms", "migration_le_100ms",
+    assert set(rep["targets"]) == {"worker_ready_le_20s", "routing_added_p99_le_2ms", "routing_added_p99_le_5ms",
+                                   "migration_le_100ms",
                                    "failover_le_3s_nothing_lost_identical", "checkpoint_le_5pct_capacity"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -26,6 +26,8 @@ from cadence_fx.runtime.errors import StateMismatch
 from cadence_fx.runtime.owners import resolve_source
 from cadence_fx.runtime.state import copy_into, state_target, state_to
 from cadence_fx.runtime.transaction import commit_copies, deferred_signals
+
+_T = TypeVar("_T")
 
 class SessionHost(Protocol):
     """What a session needs from the program that hands it out (the façade implements it)."""
@@ -156,6 +158,15 @@ class Session:
         return list(self._buffers.values())
 
     # ------------------------------------------------------------------ turn boundaries
+    def read_state(self, reader: Callable[[Mapping[str, torch.Tensor]], _T]) -> tuple[_T, RngStates]:
+        """``reader`` applied to the session's current state (views of its own buffers, by region
+        name: read them inside ``reader``, they change with the next call) and a clone of its random
+        streams, under the session's lock: a snapshot that copies the state its own way (packed into
+        one buffer, :mod:`cadence_fx.serve.packing`) instead of one clone per region."""
+        with self._lock:
+            self._check_open()
+            return reader(dict(self._returned)), self.rng.states.clone()
+
     def snapshot(self, device: torch.device | str | None = None) -> Snapshot:
         """The session's current state (clones, on ``device`` or where it lives) and random streams."""
         with self._lock:

@@ -69,6 +69,7 @@ class ControllerConfig:
     health_interval_s: float = 1.0
     health_timeout_s: float = 10.0
     metrics_window: int = 1024
+    handoff: bool = True  # moves between two workers on one GPU stay on it (CUDA IPC: serve.handoff)
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch
 
 from cadence_fx.runtime.rng import RngStates
 from cadence_fx.runtime.sessions import Snapshot
+from cadence_fx.serve.packing import PackLayout, unpack
 
 __all__ = ["AdmissionRefused", "ConversationClosed", "ConversationExists", "ConversationState", "Fenced",
            "NoWorkers", "Placement", "ReplayDiverged", "SequenceError", "StepResult", "UnknownConversation",
@@ -110,6 +111,9 @@ class ConversationState:
     next_seq: int
     seed: int | None = None
     meta: Mapping[str, float] = field(default_factory=dict)
+    # the one host buffer ``state``'s tensors are views of, where the export packed them
+    # (:mod:`cadence_fx.serve.packing`): it then crosses the object store as one array
+    packed: tuple[torch.Tensor, PackLayout] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, conv_id: str, snapshot: Snapshot, *, next_seq: int, seed: int | None) -> "ConversationState":
@@ -117,6 +121,14 @@ class ConversationState:
         rng = snapshot.rng if snapshot.rng is not None else RngStates.current()
         cuda = tuple(t.cpu() for t in rng.cuda) if rng.cuda is not None else None
         return cls(conv_id, dict(snapshot.state), rng.cpu.clone(), cuda, next_seq, seed)
+
+    @classmethod
+    def of_packed(cls, conv_id: str, flat: torch.Tensor, layout: PackLayout, rng: RngStates | None, *,
+                  next_seq: int, seed: int | None) -> "ConversationState":
+        """From a packed host buffer (:func:`cadence_fx.serve.packing.pack`, then ``to_host``)."""
+        rng = rng if rng is not None else RngStates.current()
+        cuda = tuple(t.cpu() for t in rng.cuda) if rng.cuda is not None else None
+        return cls(conv_id, unpack(flat, layout), rng.cpu.clone(), cuda, next_seq, seed, packed=(flat, layout))
 
     def snapshot(self) -> Snapshot:
         """The session snapshot to restore: host tensors (``restore`` copies them into the session's
@@ -140,9 +152,12 @@ class ConversationState:
         # tensor goes through torch's own serialization (a full copy each way; on the CPU, 256 MiB put
         # 406 ms and got 332 ms as a tensor, 138 ms and 1 ms as an array). A byte view keeps every
         # dtype (bfloat16 has no NumPy type) and every bit.
+        tail = (self.rng_cpu, self.rng_cuda, self.next_seq, self.seed, dict(self.meta))
+        if self.packed is not None:  # one array for the whole state: one object in the store
+            flat, layout = self.packed
+            return (_unpack_flat, (self.conv_id, flat.numpy(), layout) + tail)
         packed = {n: (_bytes_of(t), t.dtype, tuple(t.shape)) for n, t in self.state.items()}
-        return (_unpack_state, (self.conv_id, packed, self.rng_cpu, self.rng_cuda, self.next_seq, self.seed,
-                                dict(self.meta)))
+        return (_unpack_state, (self.conv_id, packed) + tail)
 
 
 def _bytes_of(t: torch.Tensor) -> Any:
@@ -160,6 +175,16 @@ def _unpack_state(conv_id: str, packed: Mapping[str, tuple[Any, torch.dtype, tup
         for name, (arr, dtype, shape) in packed.items():
             state[name] = torch.from_numpy(arr).view(dtype).reshape(shape)
     return ConversationState(conv_id, state, rng_cpu, rng_cuda, next_seq, seed, meta)
+
+
+def _unpack_flat(conv_id: str, arr: Any, layout: PackLayout, rng_cpu: torch.Tensor,
+                 rng_cuda: tuple[torch.Tensor, ...] | None, next_seq: int, seed: int | None,
+                 meta: Mapping[str, float]) -> ConversationState:
+    with warnings.catch_warnings():  # read-only from the object store, and only ever read (as above)
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        flat = torch.from_numpy(arr)
+    return ConversationState(conv_id, unpack(flat, layout), rng_cpu, rng_cuda, next_seq, seed, meta,
+                             packed=(flat, layout))
 
 
 @dataclass(frozen=True)

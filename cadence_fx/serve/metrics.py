@@ -36,6 +36,8 @@ COUNTERS = {  # name -> help
     "failovers": "workers found dead whose conversations were resumed elsewhere",
     "replayed_chunks": "chunks re-run from the journal after a failover",
     "sequence_refused": "chunks refused for a wrong sequence number",
+    "handoff_fallback": "moves between workers on one GPU that went through the object store (the target "
+                        "could not map the source's buffer)",
 }
 EVENTS = ("migration", "checkpoint", "resume")
 PATHS = ("controller", "router")  # a chunk through the controller (two hops) or a router (one)

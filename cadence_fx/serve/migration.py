@@ -14,6 +14,12 @@ moved: a chunk a router still sends there is fenced, not "closed"). A move that 
 leaves the conversation where it was, thawed. The next chunk runs on the target and gives the bytes
 the unmoved conversation would have (``tests/test_serve_ray.py`` checks the SHA-256 of whole streams).
 
+Two workers on one GPU of one host (their status names the same node and GPU UUID) skip the host:
+the source packs the conversation into one buffer on the device and the target maps it by CUDA IPC
+and copies it into its session (:mod:`cadence_fx.serve.handoff`), so a move costs device-to-device
+copies and three actor calls. A target that cannot map the buffer answers ``HandoffUnavailable``
+and the move goes on through the object store (counted as ``handoff_fallback``).
+
 ``drain`` marks a worker as taking no new conversations and moves each of its conversations to the
 least loaded other worker with room; ``rebalance`` moves conversations from workers above their share
 (by capacity) to workers below it (:func:`cadence_fx.serve.placement.rebalance_moves`).
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from cadence_fx.serve.conversation import AdmissionRefused, ConversationClosed, NoWorkers
+from cadence_fx.serve.handoff import HandoffUnavailable
 from cadence_fx.serve.placement import choose, rebalance_moves
 
 if TYPE_CHECKING:
@@ -46,19 +53,22 @@ log = logging.getLogger("cadence_fx.serve")
 @dataclass(frozen=True)
 class MoveReport:
     """One move: from ``source`` to ``target`` in ``seconds`` (export, transfer, import, close), the
-    state's ``nbytes``."""
+    state's ``nbytes``, and the ``path`` its bytes took: ``device`` (handed off on one GPU) or ``host``
+    (through the object store)."""
 
     conv_id: str
     source: str
     target: str
     seconds: float
     nbytes: int
+    path: str = "host"
 
 
 class Moves:
     """``migrate``, ``drain``, ``undrain`` and ``rebalance`` of the controller (see the module docstring)."""
 
     if TYPE_CHECKING:
+        config: Any
         _workers: dict[str, Any]
         _convs: dict[str, Any]
         metrics: ServeMetrics
@@ -71,11 +81,15 @@ class Moves:
         async def _probe(self, w: Any) -> bool: ...
         async def _notify_room(self) -> None: ...
 
-    async def migrate(self, conv_id: str, target: str) -> MoveReport:
-        """Move ``conv_id`` to worker ``target`` between two of its chunks."""
+    async def migrate(self, conv_id: str, target: str, *, via: str = "auto") -> MoveReport:
+        """Move ``conv_id`` to worker ``target`` between two of its chunks. ``via``: ``auto`` (on the
+        device where both workers share a GPU, else through the object store) or ``host`` (through
+        the object store always: what a move between hosts costs)."""
+        if via not in ("auto", "host"):
+            raise ValueError(f"via is 'auto' or 'host', not {via!r}")
         conv = self._conv(conv_id)
         async with conv.cond:
-            return await self._migrate_locked(conv, target)
+            return await self._migrate_locked(conv, target, via)
 
     async def drain(self, worker: str) -> list[MoveReport]:
         """Stop admitting onto ``worker`` and move every conversation on it to other workers with room.
@@ -117,7 +131,7 @@ class Moves:
                 log.warning("rebalance: %s not moved to %s (%s)", conv_id, target, e)
         return reports
 
-    async def _migrate_locked(self, conv: Any, target: str) -> MoveReport:
+    async def _migrate_locked(self, conv: Any, target: str, via: str = "auto") -> MoveReport:
         if conv.closed:
             raise ConversationClosed(f"conversation {conv.conv_id!r} was closed")
         dst = self._worker(target)
@@ -136,18 +150,24 @@ class Moves:
         conv.also_on = target  # counted on the target from here (then on the source until it is closed
         # there): no open or resume takes a slot a worker's own count still holds
         try:
-            return await self._move(conv, src, dst, target)
+            return await self._move(conv, src, dst, target, via)
         finally:
             conv.also_on = None
 
-    async def _move(self, conv: Any, src: Any, dst: Any, target: str) -> MoveReport:
+    async def _move(self, conv: Any, src: Any, dst: Any, target: str, via: str) -> MoveReport:
         t0 = time.perf_counter()
-        # frozen at the source from the export on (a router's chunk there is refused: Fenced); the
-        # state stays in the object store, only its header comes here
-        exported, header = src.handle.checkpoint.options(num_returns=2).remote(conv.conv_id, freeze=True)
+        path = "host"
         try:
-            nbytes = await dst.handle.import_conversation.remote(conv.conv_id, exported, epoch=conv.epoch + 1)
-            next_seq = int((await header)["next_seq"])
+            on_device = via == "auto" and _same_device(src, dst, self.config)
+            moved = await self._hand_off(conv, src, dst) if on_device else None
+            if moved is not None:
+                nbytes, next_seq, path = moved[0], moved[1], "device"
+            else:
+                # frozen at the source from the export on (a router's chunk there is refused: Fenced);
+                # the state stays in the object store, only its header comes here
+                exported, header = src.handle.checkpoint.options(num_returns=2).remote(conv.conv_id, freeze=True)
+                nbytes = await dst.handle.import_conversation.remote(conv.conv_id, exported, epoch=conv.epoch + 1)
+                next_seq = int((await header)["next_seq"])
         except (RayActorError, RayTaskError) as e:
             src_ok, dst_ok = await self._probe(src), await self._probe(dst)
             if not src_ok:  # the source died: resume it (from its checkpoint) instead
@@ -165,8 +185,30 @@ class Moves:
             log.warning("migration of %s: closing it on %s failed (%s)", conv.conv_id, src.name, e)
         seconds = time.perf_counter() - t0
         self.metrics.event("migration", seconds, nbytes)
-        log.info("conversation %s moved %s -> %s in %.4f s (%d bytes)", conv.conv_id, src.name, target, seconds, nbytes)
-        return MoveReport(conv.conv_id, src.name, target, seconds, int(nbytes))
+        log.info("conversation %s moved %s -> %s in %.4f s (%d bytes, %s)", conv.conv_id, src.name, target, seconds,
+                 nbytes, path)
+        return MoveReport(conv.conv_id, src.name, target, seconds, int(nbytes), path)
+
+    async def _hand_off(self, conv: Any, src: Any, dst: Any) -> tuple[int, int] | None:
+        """The move on the GPU both workers share (:mod:`cadence_fx.serve.handoff`): ``(bytes, next
+        chunk)``, or ``None`` where the target could not map the source's buffer (counted as
+        ``handoff_fallback``; the conversation stays frozen at the source for the object store's path)."""
+        handoff = await src.handle.handoff.remote(conv.conv_id)  # frozen there from here on
+        try:
+            nbytes = await dst.handle.import_handoff.remote(conv.conv_id, handoff, epoch=conv.epoch + 1)
+        except RayTaskError as e:
+            if not isinstance(e.as_instanceof_cause(), HandoffUnavailable):
+                raise
+            self.metrics.count("handoff_fallback")
+            log.warning("moving %s on the device failed (%s): through the object store", conv.conv_id, e)
+            return None
+        return int(nbytes), int(handoff.next_seq)
+
+
+def _same_device(src: Any, dst: Any, config: Any) -> bool:
+    """Both workers on one GPU of one host (their status names the same node and GPU UUID)."""
+    ident = getattr(src.status, "identity", None)
+    return bool(config.handoff) and ident is not None and ident == getattr(dst.status, "identity", None)
 
 
 async def _thaw(src: Any, conv_id: str) -> None:

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import ray
@@ -42,7 +42,8 @@ from cadence_fx.serve.calibration import Calibration, given_capacity, measure_ca
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            ConversationState, Fenced, StepResult, UnknownConversation,
                                            sequence_error)
-from cadence_fx.serve import wire
+from cadence_fx.serve import packing, wire
+from cadence_fx.serve.handoff import DeviceHandoff, HandoffUnavailable, device_identity, share
 from cadence_fx.serve.layout import StepLayout
 from cadence_fx.serve.sharing import artifact_file, share_artifact
 
@@ -102,6 +103,8 @@ class WorkerStatus:
     chunks: int
     chunk_p50_ms: float
     chunk_p99_ms: float
+    identity: str | None = None  # node/GPU-UUID: workers naming the same one hand conversations off on the device
+    load_split: Mapping[str, float] = field(default_factory=dict)  # where cf.load spent load_s (its load_report)
 
 
 @dataclass
@@ -136,6 +139,9 @@ class ConversationWorker:
         self.prog.warmup(*self.layout.call_args(self._example, self._zero_state))
         t_warm = time.perf_counter()
         self._convs: dict[str, _Conversation] = {}
+        self._handoffs: dict[str, torch.Tensor] = {}  # packed buffers shared with a move's target
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        self.identity = device_identity(self.device, node)  # who can map this worker's handoffs
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._moved: collections.OrderedDict[str, None] = collections.OrderedDict()  # moved away: Fenced
         self._lock = threading.Lock()
@@ -203,9 +209,49 @@ class ConversationWorker:
         conv = self._get(conv_id)
         with conv.lock:
             conv.frozen = conv.frozen or freeze
-            snap = conv.session.snapshot(device="cpu")
-            state = ConversationState.of(conv_id, snap, next_seq=conv.next_seq, seed=conv.seed)
+            flat, layout, rng = self._pack(conv)
+            next_seq = conv.next_seq
+        host = packing.to_host(flat)  # one transfer into pinned memory, outside the conversation's lock
+        state = ConversationState.of_packed(conv_id, host, layout, rng, next_seq=next_seq, seed=conv.seed)
         return replace(state, meta={"export_s": time.perf_counter() - t0})
+
+    def handoff(self, conv_id: str) -> DeviceHandoff:
+        """The first half of a move to a worker on this GPU (:mod:`cadence_fx.serve.handoff`): the
+        conversation frozen, packed into one buffer on the device and shared by a CUDA IPC handle;
+        the buffer is kept until the move is closed (``close(moved=True)``) or undone (``thaw``).
+        Raises :class:`HandoffUnavailable` on a worker that is not on a GPU."""
+        t0 = time.perf_counter()
+        if self.identity is None:
+            raise HandoffUnavailable(f"worker {self.name} is on {self.device}: no device handoff")
+        conv = self._get(conv_id)
+        with conv.lock:
+            conv.frozen = True
+            flat, layout, rng = self._pack(conv)
+            next_seq = conv.next_seq
+        with self._lock:
+            self._handoffs[conv_id] = flat
+        return share(conv_id, flat, layout, self.identity, rng, next_seq=next_seq, seed=conv.seed,
+                     meta={"export_s": time.perf_counter() - t0})
+
+    def import_handoff(self, conv_id: str, handoff: DeviceHandoff, *, epoch: int = 0) -> int:
+        """Open ``conv_id`` here from another worker's :meth:`handoff` on this GPU (its regions copied
+        device to device; the mapping is let go before this returns, so the source may free its
+        buffer). Raises :class:`HandoffUnavailable` where the buffer cannot be mapped here: nothing
+        was opened, and the move can go through the object store. Returns the state's bytes."""
+        snap, mapping = handoff.open(self.identity)
+        try:
+            self._admit(conv_id, replace=False, force=False)
+            session = self.prog.session(conv_id, seed=handoff.seed)
+            try:
+                returned = session.restore(snap)
+                torch.cuda.current_stream(self.device).synchronize()  # the copies read the mapping
+            except BaseException:
+                session.close()
+                raise
+        finally:
+            del snap, mapping
+        self._install(conv_id, _Conversation(session, returned, handoff.next_seq, handoff.seed, threading.Lock(), epoch))
+        return handoff.nbytes()
 
     def restore(self, conv_id: str, state: ConversationState) -> None:
         """Put ``conv_id`` back to ``state`` (a barge-in: back to a turn boundary): its regions, random
@@ -240,6 +286,7 @@ class ConversationWorker:
     def thaw(self, conv_id: str) -> None:
         """Take chunks again after a move that did not happen (its target failed)."""
         self._get(conv_id).frozen = False
+        self._release_handoff(conv_id)
 
     def close(self, conv_id: str, *, moved: bool = False) -> None:
         """Close ``conv_id`` and free its buffers; later calls for it raise ``ConversationClosed``, or
@@ -251,6 +298,7 @@ class ConversationWorker:
             _remember(self._moved if moved else self._closed, conv_id)
         with conv.lock:
             conv.session.close()
+        self._release_handoff(conv_id)
 
     # ------------------------------------------------------------------ the worker
     def status(self) -> WorkerStatus:
@@ -263,7 +311,8 @@ class ConversationWorker:
         return WorkerStatus(self.name, os.getpid(), node, str(self.device), len(self.prog.lanes.lanes),
                             self.capacity, self.calibration, convs, load, busy, self._times["ready_s"],
                             self._times["load_s"], self._times["warmup_s"], self._times["calibrate_s"], chunks,
-                            percentile(recent, 50), percentile(recent, 99))
+                            percentile(recent, 50), percentile(recent, 99), identity=self.identity,
+                            load_split={k: float(v) for k, v in getattr(self.prog, "load_report", {}).items()})
 
     def example(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """What a chunk carries (by input name, in order) and an initial state (by region), on the host:
@@ -284,6 +333,21 @@ class ConversationWorker:
             return list(self._convs)
 
     # ------------------------------------------------------------------ inside
+    def _pack(self, conv: _Conversation) -> tuple[torch.Tensor, packing.PackLayout, Any]:
+        """The conversation's state packed into one new buffer on its device, finished (the caller
+        holds ``conv.lock``: the next chunk must not write the buffers while the copies read them)."""
+        (flat, layout), rng = conv.session.read_state(packing.pack)
+        if flat.device.type == "cuda":
+            torch.cuda.current_stream(flat.device).synchronize()
+        return flat, layout, rng
+
+    def _release_handoff(self, conv_id: str) -> None:
+        with self._lock:
+            flat = self._handoffs.pop(conv_id, None)
+        if flat is not None:
+            del flat
+            torch.cuda.ipc_collect()  # a block the target still mapped is freed once it lets go
+
     def _calibrate(self) -> Calibration:
         cfg = self.config
         if cfg.capacity is not None:
