@@ -23,9 +23,15 @@
 #   scripts/gpu.sh serve [flags]   Token2Wav served on Ray on one GPU (benchmarks/serve_token2wav.py): worker ready
 #                                  time, routing overhead, migration, failover, checkpoint cost; needs Ray and Serve's
 #                                  wheels in .whl/ (bash scripts/device_bundle.sh); checks `import ray, ray.serve` first
+#   scripts/gpu.sh serve-capacity --artifact /tmp/token2wav-capacity.cfx --sessions 32,44 --seconds 20 --scripts 4 \
+#       --time-budget 300
+#                                  conversations at 1 s through the front end against in process, one worker with the
+#                                  whole GPU (benchmarks/serve_capacity.py; the artifact is built when absent); the
+#                                  same Ray check as `serve`: serve-capacity.json (rewritten after every row), .log
 # Output goes to $OUT (default .out/): gpu-tests.log, bench.log, rows.jsonl (raw rows of every cell run),
 # cadence.json (rewritten after every row), cadence-rows.jsonl, cadence.log, code2wav.json, code2wav-rows.jsonl, code2wav.log,
-# serve.json (rewritten after every phase), serve.log, ray-logs/ (the tails of the Ray session's logs).
+# serve.json (rewritten after every phase), serve.log, ray-logs/ (the tails of the Ray session's logs),
+# serve-capacity.json, serve-capacity.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # once per machine and set of wheels (a warm machine that installed another set installs this one too):
@@ -65,8 +71,13 @@ fastapi.__version__, 'pydantic', pydantic.__version__, 'grpcio', grpc.__version_
          df -h /dev/shm /tmp 2>/dev/null | sed 's/^/  /'
          python3 benchmarks/serve_token2wav.py --json "$OUT/serve.json" --ray-logs "$OUT/ray-logs" "$@" 2>&1 \
            | tee -a "$OUT/serve.log" ;;
+  serve-capacity) shift
+         python3 -c "import ray, ray.serve; print('ray', ray.__version__, 'with serve, from', ray.__file__)" || {
+           echo "gpu.sh serve-capacity: Ray does not import here (build .whl/ with scripts/device_bundle.sh and carry it)" >&2
+           exit 3; }
+         python3 benchmarks/serve_capacity.py --json "$OUT/serve-capacity.json" "$@" 2>&1 | tee -a "$OUT/serve-capacity.log" ;;
   code2wav) shift; python3 benchmarks/code2wav.py --json "$OUT/code2wav.json" --rows "$OUT/code2wav-rows.jsonl" "$@" 2>&1 \
               | tee -a "$OUT/code2wav.log" ;;
-  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | moshi-cadence [flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags] | serve [benchmarks/serve_token2wav.py flags]" >&2
+  *) echo "usage: scripts/gpu.sh tests | cells CELL[,CELL...] | moshi [CELL,...] | cadence [benchmarks/cadence.py flags] | moshi-cadence [flags] | cold [flags] | code2wav [benchmarks/code2wav.py flags] | serve [benchmarks/serve_token2wav.py flags] | serve-capacity [benchmarks/serve_capacity.py flags]" >&2
      exit 2 ;;
 esac
