@@ -14,6 +14,7 @@ warnings.filterwarnings("ignore", message=".*does not reference an nn.Module.*")
 # something run on the same worker: the Ray modules (one local cluster at a time on the machine) and
 # the two Token2Wav modules (test_artifact reads test_upstream_cpu's catalog cache).
 _GROUPS = {"test_serve_ray": "ray", "test_serve_frontend": "ray", "test_serve_token2wav_bench": "ray",
+           "test_serve_capacity_bench": "ray",
            "test_artifact": "token2wav", "test_upstream_cpu": "token2wav"}
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
