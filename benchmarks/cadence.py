@@ -172,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds of the profiler window for the GPU busy fraction, ending at the last arrival "
                          "(0: off)")
     ap.add_argument("--lead", type=float, default=2.0, help="seconds from sending a run to its t0")
+    ap.add_argument("--row-slack", type=float, default=10.0,
+                    help="an SRc row still running this many seconds past its last chunk's deadline is cut: the "
+                         "chunks not served count as misses (abandoned) and its exactness is not judged")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="skip any N that would end later than this many seconds after the start (0: no limit)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))

@@ -24,9 +24,11 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
     ``bitexact``: every session served all its chunks and its PCM equals its script's solo stock run.
     """
     lat = [latency_ms(r) for p in parts for r in p["records"]]
-    misses = sum(missed(x, period) for x in lat)
+    abandoned = sum(p.get("abandoned", 0) for p in parts)  # a cut row's chunks never served: each a miss
+    misses = sum(missed(x, period) for x in lat) + abandoned
     sha = session_digests(parts)
-    exact = bitexact(parts, n, solo, scripts, chunks)
+    # a cut row's streams are incomplete: their digests cannot be the solo runs', so exactness is not judged
+    exact = None if abandoned else bitexact(parts, n, solo, scripts, chunks)
     joins = [j for p in parts for j in p["joins"]]
     join_ms = [j[2] for j in joins]
     # other sessions' chunks, on the joiner's GPU, pending at a live join or arriving in the second after it
@@ -55,7 +57,7 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
     busy = [p.get("busy_fraction") for p in parts if p.get("busy_fraction") is not None]
     return dict(cell=cell, name=cell, gpus=g, n_sessions=n, p50_ms=harness.percentile(lat, 50),
                 p95_ms=harness.percentile(lat, 95), p99_ms=harness.percentile(lat, 99), max_ms=max(lat, default=None),
-                misses=misses, chunks=len(lat), peak_mib=sum(peaks) if all(x is not None for x in peaks) else None,
+                misses=misses, chunks=len(lat) + abandoned, abandoned=abandoned, peak_mib=sum(peaks) if all(x is not None for x in peaks) else None,
                 bitexact=exact, busy_fraction=sum(busy) / len(busy) if busy else None,
                 busy_per_gpu=[p.get("busy_fraction") for p in parts], misses_while_profiling=profiled_misses,
                 join_p50_ms=harness.percentile(join_ms, 50) if join_ms else None,

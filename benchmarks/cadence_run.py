@@ -28,6 +28,13 @@ from benchmarks.cadence_worker import Worker, worker_env
 T_START = time.monotonic()  # --time-budget counts from here (the coordinator's start)
 
 
+def row_cutoff_s(period: float, chunks: int, slack: float) -> float:
+    """Seconds from a row's t0 after which it is cut (``--row-slack`` past the last chunk's deadline):
+    every chunk not yet served then has missed its deadline, so counting it as a miss is exact, and a
+    row far slower than real time still ends (and a device call keeps its report)."""
+    return period * (chunks + 1) + slack
+
+
 class Run(SoloDigests):
     """One benchmark run: the solo digests, the rows so far, and where they are written."""
 
@@ -82,7 +89,8 @@ class Run(SoloDigests):
         """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
         a = self.args
         return dict(cmd="serve", n=n, sessions=sessions_of(n, g, j), t0=t0, period=a.period,
-                    chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window)
+                    chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window,
+                    cutoff_s=row_cutoff_s(a.period, chunks, a.row_slack))
 
     def warm(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
         """Every worker, at once, serves an untimed ``--warm-seconds`` stream of its share of the first N it
@@ -127,7 +135,7 @@ class Run(SoloDigests):
             while todo:
                 n0, todo = todo[0], todo[1:]
                 batch = [n0] * width
-                if self.over_budget("SRc", g, n0, a.seconds + a.lead + 15):
+                if self.over_budget("SRc", g, n0, row_cutoff_s(a.period, self.chunks, a.row_slack) + a.lead + 15):
                     break
                 t0 = time.time() + a.lead
                 groups = [workers[j * g:(j + 1) * g] for j in range(len(batch))]

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import heapq
 import json
+import math
 import os
 import subprocess
 import sys
@@ -157,6 +158,8 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     cond = threading.Condition()
     done = [0]
     total = len(mine) * chunks
+    cutoff = base + cmd.get("cutoff_s", math.inf)  # past it, nothing more is served (cadence_run.row_cutoff_s)
+    cut = [False]
     busy = None
     if device == "cuda" and cmd["busy_window"] > 0:
         # the last busy_window seconds of arrivals: each of them still sees every session streaming
@@ -174,14 +177,19 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                 shared[0] += 1
         while True:
             with cond:
-                while not due and done[0] < total:
+                while not due and done[0] < total and not cut[0]:
                     cond.wait()
-                if not due:
+                if not due or cut[0]:
                     return
                 arrive, i, k = heapq.heappop(due)
             wait = arrive - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
+            if time.perf_counter() > cutoff:  # the row is cut: this chunk and what is left count as missed
+                with cond:
+                    cut[0] = True
+                    cond.notify_all()
+                return
             t_call = time.perf_counter()
             with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 with torch.no_grad():
@@ -219,6 +227,7 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                 call_p50_ms=harness.percentile(host_ms, 50), call_p99_ms=harness.percentile(host_ms, 99),
                 timeline=timeline(records, period))
     reply = dict(gpu=args.worker, records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
+                 abandoned=total - done[0],
                  peak_mib=harness.peak_mib(), late_start_s=late_start, counters=prog.counters(),
                  per_session_mib=next((s.nbytes() / 2**20 for s in sessions.values() if s is not None), None),
                  census_mib={k: v / 2**20 for k, v in prog.memory_census().items()})

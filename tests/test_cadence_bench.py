@@ -226,3 +226,24 @@ def test_plot_series_one_line_per_cell_gpu_count_and_lanes():
     got = plot_cadence.series(rows)
     assert list(got) == [("SRc", 1, None), ("SRc", 1, 8), ("SRc", 2, None), ("stock", 1, None)]
     assert [p[0] for p in got[("SRc", 2, None)]] == [32, 34]
+
+
+def test_a_row_slower_than_real_time_is_cut_and_its_unserved_chunks_are_misses(tmp_path):
+    """``--row-slack``: a row still running past its last deadline plus the slack stops; the chunks it
+    never served are counted as misses (``abandoned``) and its exactness is not judged (its streams are
+    incomplete). A negative slack cuts this fast row on purpose: chunk 2 of each session is due at
+    1.0 s or later, after the 0.8 s cut-off."""
+    from benchmarks.cadence_run import row_cutoff_s
+
+    assert row_cutoff_s(0.5, 3, 10.0) == 12.0  # one period past the last arrival, then the slack
+    out = tmp_path / "cadence.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc",
+           "--gpus", "1", "--sessions", "2", "--warm-seconds", "0", "--seconds", "1.5", "--period", "0.5",
+           "--lanes", "2", "--scripts", "2", "--lead", "0.7", "--row-slack", "-1.2", "--json", str(out)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["abandoned"] >= 2 and row["chunks"] == 2 * 3  # every chunk is counted, served or not
+    assert row["misses"] >= row["abandoned"] and row["bitexact"] is None
+    assert json.loads(out.read_text())["limits"]["SRc"]["1"]["largest_n_no_miss"] is None
