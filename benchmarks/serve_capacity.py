@@ -399,7 +399,7 @@ class Bench:
         import ray
         from ray import serve
 
-        from cadence_fx.serve import frontend, wire
+        from cadence_fx.serve import cluster, frontend, wire
         from cadence_fx.serve.checkpoints import CheckpointPolicy
         from cadence_fx.serve.controller import ControllerConfig, start_controller
         from cadence_fx.serve.worker import WorkerConfig
@@ -414,7 +414,7 @@ class Bench:
             prompt_bytes * (n_max + 2) + (8 << 30 if a.device == "cuda" else 512 << 20)
         store, where = t2w_bench._object_store_bytes(want)
         t0 = time.perf_counter()
-        ray.init(address="local", namespace=NAMESPACE, num_cpus=a.ray_cpus,
+        cluster.init(address="local", namespace=NAMESPACE, num_cpus=a.ray_cpus,
                  num_gpus=1 if a.device == "cuda" else 0, object_store_memory=store, include_dashboard=False,
                  log_to_driver=a.worker_logs, runtime_env={"worker_process_setup_hook": t2w_bench.SETUP_HOOK})
         self.ray_up = True

@@ -365,14 +365,14 @@ class Bench:
     def start_ray(self) -> None:
         import ray
 
-        from cadence_fx.serve import wire
+        from cadence_fx.serve import cluster, wire
         from cadence_fx.serve.checkpoints import CheckpointPolicy
         from cadence_fx.serve.controller import ControllerConfig, start_controller
 
         a = self.args
         t0 = time.perf_counter()
         store, where = _object_store_bytes(int(a.object_store_gib * 2**30))
-        ray.init(address="local", num_cpus=a.ray_cpus, num_gpus=1 if a.device == "cuda" else 0,
+        cluster.init(address="local", num_cpus=a.ray_cpus, num_gpus=1 if a.device == "cuda" else 0,
                  object_store_memory=store, include_dashboard=False,
                  log_to_driver=a.worker_logs, runtime_env={"worker_process_setup_hook": SETUP_HOOK})
         wire.install()

@@ -7,6 +7,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cadence_fx.runtime.rng import RngStates
 from cadence_fx.serve.conversation import ConversationState
@@ -26,7 +28,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    return t.reshape(-1).contiguous().view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
 
 
 def test_pack_keeps_every_bit_dtype_and_shape_and_aligns_each_region():
@@ -113,3 +115,134 @@ def test_a_handoff_is_mapped_by_another_process_on_the_same_gpu_bit_for_bit():
     child.join(60)
     assert child.exitcode == 0
     assert got == sha256_tensors(state[n].cpu() for n in sorted(state))
+
+
+# --------------------------------------------------------------------------- the controller's choice of path
+class _Method:
+    def __init__(self, log: list, name: str, result=None, error: BaseException | None = None) -> None:
+        self.log, self.name, self.result, self.error = log, name, result, error
+
+    def options(self, **_kw):
+        return self
+
+    def remote(self, *args, **kwargs):
+        self.log.append(self.name)
+
+        async def answer():
+            if self.error is not None:
+                raise self.error
+            return self.result
+
+        if self.name == "checkpoint":  # two returns: the state's reference (passed on, not awaited) and its header
+            return object(), _ready({"next_seq": 7})
+        return answer()
+
+
+async def _ready_value(v):
+    return v
+
+
+def _ready(v):
+    return _ready_value(v)
+
+
+class _Handle:
+    def __init__(self, log: list, **methods) -> None:
+        for name, spec in methods.items():
+            setattr(self, name, _Method(log, name, *spec))
+
+
+class _End:
+    def __init__(self, name: str, identity: str | None, handle: _Handle) -> None:
+        from types import SimpleNamespace
+
+        self.name, self.handle, self.status = name, handle, SimpleNamespace(identity=identity)
+
+
+def _refused(method: str):
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError(method, "traceback", HandoffUnavailable("cannot map it here"))
+
+
+def _move(src_identity, dst_identity, *, via="auto", handoff_error=None, import_error=None):
+    """One ``Moves._move`` between fake workers: (its report, the calls made at each end, the counters)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cadence_fx.serve.controller import ControllerConfig
+    from cadence_fx.serve.metrics import ServeMetrics
+    from cadence_fx.serve.migration import Moves
+
+    layout = PackLayout.of({"x": torch.zeros(4)})
+    h = DeviceHandoff("c", "node/GPU-1", layout, (), torch.get_rng_state(), None, 7, 1)
+    src_log, dst_log = [], []
+    src = _End("w0", src_identity, _Handle(src_log, handoff=(h, handoff_error), checkpoint=(), close=()))
+    dst = _End("w1", dst_identity, _Handle(dst_log, import_handoff=(16, import_error), import_conversation=(16,)))
+    moves = Moves()
+    moves.config, moves.metrics = ControllerConfig(), ServeMetrics()
+    conv = SimpleNamespace(conv_id="c", epoch=0, worker="w0", next_seq=7, also_on=None)
+    report = asyncio.run(moves._move(conv, src, dst, "w1", via))
+    assert (conv.worker, conv.epoch, conv.next_seq) == ("w1", 1, 7)
+    return report, src_log, dst_log, moves.metrics.counters
+
+
+def test_a_move_between_workers_on_one_gpu_takes_the_device_path():
+    report, src, dst, counters = _move("node/GPU-1", "node/GPU-1")
+    assert report.path == "device" and report.nbytes == 16
+    assert src == ["handoff", "close"] and dst == ["import_handoff"]  # no export to the host
+    assert counters["handoff_fallback"] == 0
+
+
+@pytest.mark.parametrize("where", ["source", "target"])
+def test_a_handoff_refused_at_either_end_goes_through_the_object_store_and_is_counted(where):
+    errors = {"handoff_error": _refused("handoff")} if where == "source" else {"import_error": _refused("import_handoff")}
+    report, src, dst, counters = _move("node/GPU-1", "node/GPU-1", **errors)
+    assert report.path == "host" and counters["handoff_fallback"] == 1
+    assert src == ["handoff", "checkpoint", "close"]
+    assert dst == (["import_conversation"] if where == "source" else ["import_handoff", "import_conversation"])
+
+
+@pytest.mark.parametrize("ids,via", [(("node/GPU-1", "node/GPU-2"), "auto"), (("node/GPU-1", None), "auto"),
+                                     ((None, None), "auto"), (("node/GPU-1", "node/GPU-1"), "host")])
+def test_workers_on_other_devices_or_a_forced_host_move_never_try_the_device(ids, via):
+    report, src, dst, counters = _move(*ids, via=via)
+    assert report.path == "host" and src == ["checkpoint", "close"] and dst == ["import_conversation"]
+    assert counters["handoff_fallback"] == 0
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
+           torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=3),
+                          st.booleans(), st.integers(0, 2**31 - 1)), min_size=0, max_size=6))
+def test_any_state_packs_and_crosses_pickle_with_every_bit(regions):
+    """Any regions (dtypes, empty and scalar shapes, views with strides) pack, unpack and travel as
+    one buffer with their bits, dtypes and shapes."""
+    state = {}
+    for j, (dtype, shape, strided, seed) in enumerate(regions):
+        g = torch.Generator().manual_seed(seed)
+        base = torch.randint(0, 256, (2 * max(1, _numel(shape)) * 16,), generator=g, dtype=torch.uint8)
+        raw = base[:_numel(shape) * torch.empty((), dtype=dtype).element_size()]
+        # a bool a kernel wrote is 0 or 1 (copies normalize any other byte), so the state's are too
+        t = (raw % 2).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
+        if strided and t.dim() >= 1 and t.shape[0] > 1:
+            t = t[::2]
+        state[f"r{j}"] = t
+    flat, layout = pack(state)
+    cs = ConversationState.of_packed("c", flat, layout, RngStates(torch.get_rng_state(), None), next_seq=0, seed=None)
+    buffers: list = []
+    back = pickle.loads(pickle.dumps(cs, protocol=5, buffer_callback=buffers.append), buffers=buffers)
+    for name, t in state.items():
+        got = back.state[name]
+        assert got.dtype == t.dtype and tuple(got.shape) == tuple(t.shape), name
+        assert np.array_equal(_bits(got), _bits(t)), name
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

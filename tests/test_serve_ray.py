@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError  # noqa: E402
 
 import cadence_fx as cf  # noqa: E402
 from cadence_fx.serve import wire  # noqa: E402
+from cadence_fx.serve.cluster import system_config  # noqa: E402
 from cadence_fx.serve.checkpoints import CheckpointPolicy  # noqa: E402
 from cadence_fx.serve.controller import ControllerConfig, start_controller  # noqa: E402
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, Fenced,  # noqa: E402
@@ -64,6 +65,7 @@ def demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20,
+                                                      "_system_config": system_config(),
                                                       "include_dashboard": False})
     for _ in range(2):
         c.add_node(num_cpus=1, object_store_memory=100 << 20)

@@ -161,7 +161,9 @@ class ConversationState:
 
 
 def _bytes_of(t: torch.Tensor) -> Any:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    # reshape first: a tensor whose last dim has size 1 counts as contiguous whatever its stride,
+    # and its flat view would keep that stride (a byte view needs 1)
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
 
 
 def _unpack_state(conv_id: str, packed: Mapping[str, tuple[Any, torch.dtype, tuple[int, ...]]], rng_cpu: torch.Tensor,

@@ -193,10 +193,10 @@ class Moves:
         """The move on the GPU both workers share (:mod:`cadence_fx.serve.handoff`): ``(bytes, next
         chunk)``, or ``None`` where the target could not map the source's buffer (counted as
         ``handoff_fallback``; the conversation stays frozen at the source for the object store's path)."""
-        handoff = await src.handle.handoff.remote(conv.conv_id)  # frozen there from here on
         try:
+            handoff = await src.handle.handoff.remote(conv.conv_id)  # frozen there from here on
             nbytes = await dst.handle.import_handoff.remote(conv.conv_id, handoff, epoch=conv.epoch + 1)
-        except RayTaskError as e:
+        except RayTaskError as e:  # either end refused the device path: nothing was opened at the target
             if not isinstance(e.as_instanceof_cause(), HandoffUnavailable):
                 raise
             self.metrics.count("handoff_fallback")

@@ -230,8 +230,12 @@ class ConversationWorker:
             next_seq = conv.next_seq
         with self._lock:
             self._handoffs[conv_id] = flat
-        return share(conv_id, flat, layout, self.identity, rng, next_seq=next_seq, seed=conv.seed,
-                     meta={"export_s": time.perf_counter() - t0})
+        try:
+            return share(conv_id, flat, layout, self.identity, rng, next_seq=next_seq, seed=conv.seed,
+                         meta={"export_s": time.perf_counter() - t0})
+        except RuntimeError as e:  # the allocator cannot share this block (e.g. expandable segments)
+            self._release_handoff(conv_id)  # still frozen: the move goes on through the object store
+            raise HandoffUnavailable(f"worker {self.name}: sharing {conv_id!r}'s buffer failed: {e}") from e
 
     def import_handoff(self, conv_id: str, handoff: DeviceHandoff, *, epoch: int = 0) -> int:
         """Open ``conv_id`` here from another worker's :meth:`handoff` on this GPU (its regions copied
