@@ -86,6 +86,17 @@ def envelope(*, deterministic_algorithms: bool = False, cudnn_attention: bool = 
         kernel_settings.apply(previous)
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor in row-major order, on its device: a view where ``t`` is
+    laid out densely, else a copy. ``contiguous()`` alone is not enough: a dimension of size 1 counts as
+    contiguous whatever its stride, and a byte view needs the last stride to be 1 (one element taken
+    with a step, ``x[::2]`` of two, is such a tensor: ``contiguous().view(torch.uint8)`` raises on it)."""
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # fresh strides (a clone would keep this "contiguous" one)
+        flat = torch.empty(flat.shape, dtype=flat.dtype, device=flat.device).copy_(flat)
+    return flat.view(torch.uint8)
+
+
 def sha256_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> str:
     """SHA-256 of the raw bytes of the tensors, in order (``None`` entries are skipped).
 
@@ -96,9 +107,8 @@ def sha256_tensors(tensors: torch.Tensor | Iterable[torch.Tensor | None]) -> str
     for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
         if t is None:
             continue
-        flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-        if flat.numel():
-            h.update(_raw_bytes(flat.view(torch.uint8)))
+        if t.numel():
+            h.update(_raw_bytes(byte_view(t.detach().cpu())))
     return h.hexdigest()
 
 
@@ -106,7 +116,7 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two same-shaped tensors on one device: NaN payloads and signed zeros count."""
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(byte_view(a), byte_view(b))
 
 
 def _raw_bytes(flat: torch.Tensor) -> memoryview | bytes:

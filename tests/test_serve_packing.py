@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from cadence_fx.runtime.rng import RngStates
 from cadence_fx.serve.conversation import ConversationState
 from cadence_fx.serve.handoff import DeviceHandoff, HandoffUnavailable, device_identity
+from cadence_fx.determinism import byte_view, sha256_tensors
 from cadence_fx.serve.packing import ALIGN, PackLayout, pack, to_host, unpack
 
 
@@ -28,7 +29,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.reshape(-1).contiguous().view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+    return byte_view(t).numpy() if t.numel() else np.empty(0, np.uint8)
 
 
 def test_pack_keeps_every_bit_dtype_and_shape_and_aligns_each_region():
@@ -43,6 +44,16 @@ def test_pack_keeps_every_bit_dtype_and_shape_and_aligns_each_region():
         assert back[name].dtype == t.dtype and back[name].shape == t.shape
         assert np.array_equal(_bits(back[name]), _bits(t)), name
     assert to_host(flat) is flat  # already on the host: no copy
+
+
+def test_a_byte_view_copies_only_where_the_last_stride_is_not_one():
+    strided = torch.arange(2.0)[::2]  # one element, stride 2: "contiguous", yet no byte view of it
+    assert strided.is_contiguous() and strided.stride() == (2,)
+    assert byte_view(strided).tolist() == list(torch.tensor([0.0]).view(torch.uint8).tolist())
+    dense = torch.arange(6.0).reshape(2, 3)
+    assert byte_view(dense).data_ptr() == dense.data_ptr()  # no copy
+    assert byte_view(dense.t()).numel() == 24  # a transposed one is copied in row-major order
+    assert torch.equal(byte_view(dense.t()), dense.t().contiguous().reshape(-1).view(torch.uint8))
 
 
 def test_unpack_refuses_a_buffer_that_is_not_a_packed_one():
@@ -246,3 +257,18 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def test_one_element_taken_with_a_step_digests_encodes_and_compares_like_its_dense_copy():
+    """The tensor ``contiguous().view(torch.uint8)`` raises on (size-1 last dim, stride 2): every path
+    that reads a tensor's bytes takes it (digests, bit comparison, the front end's frames)."""
+    from cadence_fx.determinism import bits_equal
+    from cadence_fx.serve.protocol import decode_frame, encode_frame
+
+    odd = torch.tensor([1.5, -2.0])[::2]
+    dense = torch.tensor([1.5])
+    assert odd.is_contiguous() and odd.stride() == (2,)
+    assert sha256_tensors([odd]) == sha256_tensors([dense])
+    assert bits_equal(odd, dense)
+    frame = decode_frame(encode_frame(1, 0, 0, [odd]))
+    assert torch.equal(frame.tensors[0], dense)

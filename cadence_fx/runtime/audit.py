@@ -9,6 +9,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import has_side_effect
 
 from cadence_fx.annotations import AUDITOR_ATTR
+from cadence_fx.determinism import byte_view
 
 
 class RetentionMismatch(AssertionError):
@@ -28,8 +29,8 @@ class Auditor:
             raise RetentionMismatch(f"region {region!r}, call {self.call}, {what}: shape {tuple(actual.shape)} "
                                     f"!= stock {tuple(expected.shape)}")
         # bitwise comparison: NaNs with equal payloads count as equal, -0.0 and 0.0 do not
-        a = actual.contiguous().view(-1).view(torch.uint8) if actual.numel() else actual
-        e = expected.contiguous().view(-1).view(torch.uint8) if expected.numel() else expected
+        a = byte_view(actual) if actual.numel() else actual
+        e = byte_view(expected) if expected.numel() else expected
         if not torch.equal(a, e):
             flat = (a != e).nonzero()
             byte = int(flat[0]) if flat.numel() else 0

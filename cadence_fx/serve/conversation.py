@@ -35,6 +35,7 @@ import torch
 
 from cadence_fx.runtime.rng import RngStates
 from cadence_fx.runtime.sessions import Snapshot
+from cadence_fx.determinism import byte_view
 from cadence_fx.serve.packing import PackLayout, unpack
 
 __all__ = ["AdmissionRefused", "ConversationClosed", "ConversationExists", "ConversationState", "Fenced",
@@ -161,9 +162,7 @@ class ConversationState:
 
 
 def _bytes_of(t: torch.Tensor) -> Any:
-    # reshape first: a tensor whose last dim has size 1 counts as contiguous whatever its stride,
-    # and its flat view would keep that stride (a byte view needs 1)
-    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+    return byte_view(t).numpy()
 
 
 def _unpack_state(conv_id: str, packed: Mapping[str, tuple[Any, torch.dtype, tuple[int, ...]]], rng_cpu: torch.Tensor,

@@ -42,6 +42,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from cadence_fx.determinism import byte_view
+
 __all__ = [
     "CLIENT_MESSAGES", "CHUNK", "ConversationBackend", "StreamClient", "DEADLINE_MISSED", "DTYPE_CODES", "ErrorCode", "Frame", "HEADER", "MAGIC",
     "MAX_CONTROL_BYTES", "MAX_FRAME_BYTES", "MAX_RANK", "MAX_TENSORS", "OUTPUT", "ProtocolError", "TensorSpec",
@@ -142,8 +144,8 @@ class Frame:
 
 # ---------------------------------------------------------------------------------------- frames
 def _wire_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    raw = t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    t = t.detach().to("cpu")
+    raw = byte_view(t) if t.dtype != torch.bool else t.reshape(-1).to(torch.uint8)
     if sys.byteorder != "little" and t.element_size() > 1:
         raw = raw.reshape(-1, t.element_size()).flip(-1)
     return raw.numpy().tobytes() if raw.numel() else b""

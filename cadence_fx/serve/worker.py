@@ -15,6 +15,8 @@ that raises leaves the conversation as before it (sessions are transactions), so
 Chunks may come straight from a router in the client's process (:mod:`cadence_fx.serve.router`) with
 the epoch of the placement it cached: a conversation frozen for a move, moved away, or here under
 another epoch refuses them with :class:`~cadence_fx.serve.conversation.Fenced` (nothing applied).
+What moves a conversation's bytes in or out whole (exports, imports, handoffs on one GPU) is the
+:class:`~cadence_fx.serve.transfer.Transfers` mixin, apart from the conversations' life kept here.
 
 :class:`ConversationWorker` is a plain class (usable in-process, as the benchmark's baseline does);
 :func:`worker_actor` starts it as a threaded Ray actor, with one thread per lane plus a few for
@@ -29,7 +31,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import ray
@@ -42,8 +44,9 @@ from cadence_fx.serve.calibration import Calibration, given_capacity, measure_ca
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            ConversationState, Fenced, StepResult, UnknownConversation,
                                            sequence_error)
-from cadence_fx.serve import packing, wire
-from cadence_fx.serve.handoff import DeviceHandoff, HandoffUnavailable, device_identity, share
+from cadence_fx.serve import wire
+from cadence_fx.serve.handoff import device_identity
+from cadence_fx.serve.transfer import Transfers
 from cadence_fx.serve.layout import StepLayout
 from cadence_fx.serve.sharing import artifact_file, share_artifact
 
@@ -118,7 +121,7 @@ class _Conversation:
     frozen: bool = False  # exported for a move: no chunk until the move is done (or undone: thaw)
 
 
-class ConversationWorker:
+class ConversationWorker(Transfers):
     """Many conversations on one program loaded from an artifact (see the module docstring)."""
 
     def __init__(self, config: WorkerConfig, name: str = "worker") -> None:
@@ -167,7 +170,7 @@ class ConversationWorker:
         self._admit(conv_id, replace=replace, force=force)
         session = self.prog.session(conv_id, seed=seed)
         returned = session.restore(Snapshot({n: self._to_device(t) for n, t in state.items()}, None))
-        self._install(conv_id, _Conversation(session, returned, 0, seed, threading.Lock(), epoch))
+        self._adopt(conv_id, session, returned, 0, seed, epoch)
         return seed
 
     def step(self, conv_id: str, seq: int, inputs: Sequence[Any] | Mapping[str, Any],
@@ -202,61 +205,6 @@ class ConversationWorker:
         the outputs' digests, for the controller to check against what the client was sent."""
         return [self.step(conv_id, seq, inputs).digest for seq, inputs in chunks]
 
-    def snapshot(self, conv_id: str, *, freeze: bool = False) -> ConversationState:
-        """The conversation's state now (a turn boundary), on the host; the conversation goes on here
-        (``freeze``: it takes no chunk until it is closed as moved or thawed: the first half of a move)."""
-        t0 = time.perf_counter()
-        conv = self._get(conv_id)
-        with conv.lock:
-            conv.frozen = conv.frozen or freeze
-            flat, layout, rng = self._pack(conv)
-            next_seq = conv.next_seq
-        host = packing.to_host(flat)  # one transfer into pinned memory, outside the conversation's lock
-        state = ConversationState.of_packed(conv_id, host, layout, rng, next_seq=next_seq, seed=conv.seed)
-        return replace(state, meta={"export_s": time.perf_counter() - t0})
-
-    def handoff(self, conv_id: str) -> DeviceHandoff:
-        """The first half of a move to a worker on this GPU (:mod:`cadence_fx.serve.handoff`): the
-        conversation frozen, packed into one buffer on the device and shared by a CUDA IPC handle;
-        the buffer is kept until the move is closed (``close(moved=True)``) or undone (``thaw``).
-        Raises :class:`HandoffUnavailable` on a worker that is not on a GPU."""
-        t0 = time.perf_counter()
-        if self.identity is None:
-            raise HandoffUnavailable(f"worker {self.name} is on {self.device}: no device handoff")
-        conv = self._get(conv_id)
-        with conv.lock:
-            conv.frozen = True
-            flat, layout, rng = self._pack(conv)
-            next_seq = conv.next_seq
-        with self._lock:
-            self._handoffs[conv_id] = flat
-        try:
-            return share(conv_id, flat, layout, self.identity, rng, next_seq=next_seq, seed=conv.seed,
-                         meta={"export_s": time.perf_counter() - t0})
-        except RuntimeError as e:  # the allocator cannot share this block (e.g. expandable segments)
-            self._release_handoff(conv_id)  # still frozen: the move goes on through the object store
-            raise HandoffUnavailable(f"worker {self.name}: sharing {conv_id!r}'s buffer failed: {e}") from e
-
-    def import_handoff(self, conv_id: str, handoff: DeviceHandoff, *, epoch: int = 0) -> int:
-        """Open ``conv_id`` here from another worker's :meth:`handoff` on this GPU (its regions copied
-        device to device; the mapping is let go before this returns, so the source may free its
-        buffer). Raises :class:`HandoffUnavailable` where the buffer cannot be mapped here: nothing
-        was opened, and the move can go through the object store. Returns the state's bytes."""
-        snap, mapping = handoff.open(self.identity)
-        try:
-            self._admit(conv_id, replace=False, force=False)
-            session = self.prog.session(conv_id, seed=handoff.seed)
-            try:
-                returned = session.restore(snap)
-                torch.cuda.current_stream(self.device).synchronize()  # the copies read the mapping
-            except BaseException:
-                session.close()
-                raise
-        finally:
-            del snap, mapping
-        self._install(conv_id, _Conversation(session, returned, handoff.next_seq, handoff.seed, threading.Lock(), epoch))
-        return handoff.nbytes()
-
     def restore(self, conv_id: str, state: ConversationState) -> None:
         """Put ``conv_id`` back to ``state`` (a barge-in: back to a turn boundary): its regions, random
         streams and stream position (the next chunk is the snapshot's ``next_seq``, as the front end's
@@ -265,27 +213,6 @@ class ConversationWorker:
         with conv.lock:
             conv.state = self._restore_into(conv.session, state)
             conv.next_seq = state.next_seq
-
-    def export_conversation(self, conv_id: str, *, freeze: bool = False) -> ConversationState:
-        """The conversation as host tensors for the object store (a move or a checkpoint): its
-        snapshot and the next chunk's number. It stays open here until :meth:`close`."""
-        return self.snapshot(conv_id, freeze=freeze)
-
-    def checkpoint(self, conv_id: str, *, freeze: bool = False) -> tuple[ConversationState, dict[str, Any]]:
-        """The export and a small header of it (next chunk, bytes, seconds): called with two returns, the
-        state stays in this node's object store while the controller reads only the header."""
-        state = self.export_conversation(conv_id, freeze=freeze)
-        return state, {"next_seq": state.next_seq, "nbytes": state.nbytes(), **state.meta}
-
-    def import_conversation(self, conv_id: str, state: ConversationState, *, replace: bool = False,
-                            force: bool = False, epoch: int = 0) -> int:
-        """Open ``conv_id`` here from an exported state under ``epoch``: its next chunk is
-        ``state.next_seq``. Returns the state's bytes."""
-        self._admit(conv_id, replace=replace, force=force)
-        session = self.prog.session(conv_id, seed=state.seed)
-        returned = self._restore_into(session, state)
-        self._install(conv_id, _Conversation(session, returned, state.next_seq, state.seed, threading.Lock(), epoch))
-        return state.nbytes()
 
     def thaw(self, conv_id: str) -> None:
         """Take chunks again after a move that did not happen (its target failed)."""
@@ -337,21 +264,6 @@ class ConversationWorker:
             return list(self._convs)
 
     # ------------------------------------------------------------------ inside
-    def _pack(self, conv: _Conversation) -> tuple[torch.Tensor, packing.PackLayout, Any]:
-        """The conversation's state packed into one new buffer on its device, finished (the caller
-        holds ``conv.lock``: the next chunk must not write the buffers while the copies read them)."""
-        (flat, layout), rng = conv.session.read_state(packing.pack)
-        if flat.device.type == "cuda":
-            torch.cuda.current_stream(flat.device).synchronize()
-        return flat, layout, rng
-
-    def _release_handoff(self, conv_id: str) -> None:
-        with self._lock:
-            flat = self._handoffs.pop(conv_id, None)
-        if flat is not None:
-            del flat
-            torch.cuda.ipc_collect()  # a block the target still mapped is freed once it lets go
-
     def _calibrate(self) -> Calibration:
         cfg = self.config
         if cfg.capacity is not None:
@@ -385,10 +297,6 @@ class ConversationWorker:
             self._chunks = 0
         return cal
 
-    def _restore_into(self, session: Session, state: ConversationState) -> dict[str, torch.Tensor]:
-        snap = state.snapshot()
-        return session.restore(Snapshot({n: self._to_device(t) for n, t in snap.state.items()}, snap.rng))
-
     def _admit(self, conv_id: str, *, replace: bool, force: bool) -> None:
         with self._lock:
             if conv_id in self._convs:
@@ -398,6 +306,11 @@ class ConversationWorker:
             elif not force and len(self._convs) >= self.capacity:
                 raise AdmissionRefused(f"worker {self.name} is at capacity: {len(self._convs)} of "
                                        f"{self.capacity} conversations ({self.calibration.describe()})")
+
+    def _adopt(self, conv_id: str, session: Session, state: dict[str, torch.Tensor], next_seq: int,
+               seed: int | None, epoch: int) -> None:
+        """Hold ``session`` here as ``conv_id``, ``state`` its returned state, ``next_seq`` its next chunk."""
+        self._install(conv_id, _Conversation(session, state, next_seq, seed, threading.Lock(), epoch))
 
     def _install(self, conv_id: str, conv: _Conversation) -> None:
         with self._lock:
