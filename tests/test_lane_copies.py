@@ -189,3 +189,78 @@ def test_a_capture_from_a_verdict_that_fails_is_probed_and_captured_the_full_way
     probed = [r for e in lane1 for r in e.classes.values() if r.phase_seconds["probe"] > 0.0]
     assert len(probed) == 1 and all(r.admitted for e in lane1 for r in e.classes.values())
     assert _stream(two, model) == _stream(one, model)
+
+
+class _Draws(torch.nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+class _Root(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.part = torch.fx.symbolic_trace(_Draws())  # a partition: a graph module of its own
+        self.register_buffer("scratch", torch.zeros(3))
+
+    def forward(self, x):
+        torch.ops.aten.copy_.default(self.scratch, x)  # an in-place write as torch.export records it
+        return self.part(x) + torch.randn_like(x)
+
+
+def _marked_root():
+    from cadence_fx.annotations import RANDOM
+
+    class Tracer(torch.fx.Tracer):  # the drawing part stays a call_module, as a partition does
+        def is_leaf_module(self, m, name):
+            return name == "part" or super().is_leaf_module(m, name)
+
+    root = _Root()
+    gm = GraphModule(root, Tracer().trace(root))
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.randn_like:
+            n.target = torch.ops.aten.randn_like.default  # as torch.export records it
+        if n.op == "call_module" or n.target is torch.ops.aten.randn_like.default:
+            n.meta[RANDOM] = True
+    gm.recompile()
+    return gm
+
+
+def test_routing_draws_regenerates_code_only_for_a_retargeted_call():
+    """A partition that draws is wrapped by attribute (the code is unchanged: no code generation, as
+    in every lane copy); a root-level draw is retargeted through ``draw_random`` (the code changes)."""
+    from cadence_fx.runtime.runners import RandomGuard, draw_random, isolate_randomness
+
+    gm = _marked_root()
+    code = gm.code
+    assert isolate_randomness(gm) == 2
+    assert isinstance(gm.part, RandomGuard) and "draw_random" in gm.code and gm.code != code
+    # a copy of the routed program (lane 0's graph, draws already retargeted): wrapping only
+    copy = copy_program(gm, {}, frozenset())
+    assert not isinstance(copy.part, RandomGuard) and copy.graph is gm.graph  # unwrapped, shared graph
+    calls = []
+    orig = type(copy).recompile
+    type(copy).recompile = lambda self: calls.append(1) or orig(self)
+    try:
+        assert isolate_randomness(copy) == 2
+    finally:
+        type(copy).recompile = orig
+    assert calls == [] and isinstance(copy.part, RandomGuard) and copy.code is gm.code
+    assert sum(n.target is draw_random for n in copy.graph.nodes) == 1
+
+
+def test_a_programs_writes_are_walked_once_per_graph(monkeypatch):
+    """``lane_writes``: a lane copy (the same graph) reuses the first lane's walk, taken on the graph
+    before draws were routed; another graph is walked on its own."""
+    from cadence_fx.runtime import lanes
+
+    walks = []
+    real = lanes.attribute_writes
+    monkeypatch.setattr(lanes, "attribute_writes", lambda mod: walks.append(mod) or real(mod))
+    gm = _marked_root()
+    first = lanes.lane_writes(gm)
+    assert first == {"scratch": False}  # written before it is read: scratch, not carried state
+    copy = copy_program(gm, {}, frozenset())
+    assert lanes.lane_writes(copy) == first and len(walks) == 1
+    lanes.lane_writes(copy)["extra"] = True  # the caller's dict: the memo is not changed through it
+    assert lanes.lane_writes(gm) == first
+    assert lanes.lane_writes(_marked_root()) == first and len(walks) == 2

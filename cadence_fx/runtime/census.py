@@ -12,8 +12,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from cadence_fx.analysis.graph_io import fetch_attr
-from cadence_fx.analysis.writes import attribute_writes
-from cadence_fx.runtime.lanes import Lane, LanePool
+from cadence_fx.runtime.lanes import Lane, LanePool, lane_writes
 
 __all__ = ["Census"]
 
@@ -88,7 +87,7 @@ class Census:
         out: dict[str, tuple[torch.Tensor, bool]] = {}
         seen: dict[int, str] = {}
         for entry in lane.catalog.values():
-            for target, carried in sorted(attribute_writes(entry.gm).items()):
+            for target, carried in sorted(lane_writes(entry.gm).items()):
                 value = fetch_attr(entry.gm, target)
                 if not isinstance(value, torch.Tensor) or value.untyped_storage().data_ptr() in owned:
                     continue

@@ -10,12 +10,13 @@ serves any session and a joining session captures nothing.
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import Graph, GraphModule
 
 from cadence_fx.annotations import is_owned_attr
 from cadence_fx.binding import RegionSite
@@ -29,7 +30,7 @@ from cadence_fx.runtime.streams import StreamHandoff
 if TYPE_CHECKING:
     from cadence_fx.passes import ProgramFacts
 
-__all__ = ["LANE_STREAM_PRIORITY", "Entry", "Lane", "LanePool", "privatize_written_buffers"]
+__all__ = ["LANE_STREAM_PRIORITY", "Entry", "Lane", "LanePool", "lane_writes", "privatize_written_buffers"]
 
 # Lanes' streams come from PyTorch's pool of high-priority streams. Every ``torch.cuda.Stream()`` a
 # caller makes is handed out round robin from the default-priority pool (32 streams per device): lane
@@ -132,6 +133,27 @@ class LanePool:
                 self._free.notify_all()
 
 
+# attribute_writes per graph of a built lane: lane copies share lane 0's graphs (runtime/clone.py), so
+# the walk (a second per lane of Token2Wav's programs) is done once, on the graph as its lane was built
+# (before isolate_randomness routes draws through draw_random, which the walk cannot see into)
+_WRITES: "weakref.WeakKeyDictionary[Graph, dict[str, bool]]" = weakref.WeakKeyDictionary()
+_WRITES_LOCK = threading.Lock()
+
+
+def lane_writes(mod: GraphModule) -> dict[str, bool]:
+    """:func:`~cadence_fx.analysis.writes.attribute_writes` of a lane's program ``mod``, worked out once
+    per graph: nothing edits a graph after the passes but the draws' routing (which writes nothing),
+    and every lane copy of a program runs lane 0's graph."""
+    graph = mod.graph
+    with _WRITES_LOCK:
+        got = _WRITES.get(graph)
+    if got is None:
+        got = attribute_writes(mod)
+        with _WRITES_LOCK:
+            got = _WRITES.setdefault(graph, got)
+    return dict(got)
+
+
 def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], *, clone: bool = True) -> int:
     """Give a lane its own copy of every module buffer its graphs write in place (scratch the stock
     step keeps in its modules, outside the contract's regions and the demand-sized workspaces).
@@ -146,7 +168,7 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], 
             continue
         # written in the module's own graph or, through the input it is passed as, inside a partition
         # it calls (a solver's per-step cache buffer: the root passes it, a partition writes it)
-        for target in sorted(attribute_writes(mod)):
+        for target in sorted(lane_writes(mod)):
             if is_owned_attr(target):
                 continue
             owner_path, _, leaf = target.rpartition(".")

@@ -165,7 +165,7 @@ def isolate_randomness(gm: GraphModule) -> int:
     A partition that draws and is not replayed gets a :class:`RandomGuard`; a random op left in the
     root graph (a step with no partitions) is routed through :func:`draw_random`.
     """
-    guarded = 0
+    guarded = retargeted = 0
     for node in list(gm.graph.nodes):
         if not node.meta.get(RANDOM):
             continue
@@ -177,7 +177,11 @@ def isolate_randomness(gm: GraphModule) -> int:
         elif node.op == "call_function" and node.target is not draw_random:
             node.args = (node.target, *node.args)
             node.target = draw_random
+            retargeted += 1
         guarded += 1
-    if guarded:
+    # the generated code calls submodules by attribute (a guard set above is found at call time): only
+    # a retargeted call changes the code. A lane copy shares lane 0's graph, already retargeted, so it
+    # regenerates nothing (a full code generation per program and lane otherwise)
+    if retargeted:
         gm.recompile()
     return guarded
