@@ -172,7 +172,7 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], 
             if is_owned_attr(target):
                 continue
             owner_path, _, leaf = target.rpartition(".")
-            owner = fetch_attr(mod, owner_path) if owner_path else mod
+            owner: Any = fetch_attr(mod, owner_path) if owner_path else mod
             t = getattr(owner, leaf, None)
             if not isinstance(t, torch.Tensor):
                 continue
