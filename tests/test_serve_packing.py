@@ -176,8 +176,9 @@ def _refused(method: str):
     return RayTaskError(method, "traceback", HandoffUnavailable("cannot map it here"))
 
 
-def _move(src_identity, dst_identity, *, via="auto", handoff_error=None, import_error=None):
-    """One ``Moves._move`` between fake workers: (its report, the calls made at each end, the counters)."""
+def _move(src_identity, dst_identity, *, via="auto", handoff_error=None, import_error=None, source_dies=False):
+    """One ``Moves._move`` between fake workers: (its report, the calls made at each end, the counters).
+    ``source_dies``: the source is dead when probed after the target's import."""
     import asyncio
     from types import SimpleNamespace
 
@@ -189,12 +190,29 @@ def _move(src_identity, dst_identity, *, via="auto", handoff_error=None, import_
     h = DeviceHandoff("c", "node/GPU-1", layout, (), torch.get_rng_state(), None, 7, 1)
     src_log, dst_log = [], []
     src = _End("w0", src_identity, _Handle(src_log, handoff=(h, handoff_error), checkpoint=(), close=()))
-    dst = _End("w1", dst_identity, _Handle(dst_log, import_handoff=(16, import_error), import_conversation=(16,)))
+    dst = _End("w1", dst_identity, _Handle(dst_log, import_handoff=(16, import_error), import_conversation=(16,),
+                                           close=()))
     moves = Moves()
     moves.config, moves.metrics = ControllerConfig(), ServeMetrics()
     conv = SimpleNamespace(conv_id="c", epoch=0, worker="w0", next_seq=7, also_on=None)
+    resumed = []
+
+    async def probe(w):
+        return not (source_dies and w is src)
+
+    async def resume(c):
+        resumed.append(c.conv_id)
+        c.worker = "w2"  # resumed elsewhere from its checkpoint
+
+    moves._probe, moves._resume_locked = probe, resume
+    if source_dies:
+        from cadence_fx.serve.conversation import NoWorkers
+
+        with pytest.raises(NoWorkers, match="the source died while the target read its buffer"):
+            asyncio.run(moves._move(conv, src, dst, "w1", via))
+        return resumed, src_log, dst_log, moves.metrics.counters
     report = asyncio.run(moves._move(conv, src, dst, "w1", via))
-    assert (conv.worker, conv.epoch, conv.next_seq) == ("w1", 1, 7)
+    assert (conv.worker, conv.epoch, conv.next_seq) == ("w1", 1, 7) and not resumed
     return report, src_log, dst_log, moves.metrics.counters
 
 
@@ -272,3 +290,11 @@ def test_one_element_taken_with_a_step_digests_encodes_and_compares_like_its_den
     assert bits_equal(odd, dense)
     frame = decode_frame(encode_frame(1, 0, 0, [odd]))
     assert torch.equal(frame.tensors[0], dense)
+
+
+def test_a_source_dead_after_the_target_read_its_buffer_is_not_trusted_the_conversation_resumes():
+    """The memory of a process that exits is freed under its mappings: a target that copied from a
+    source found dead afterwards may hold other bytes, so its copy is closed and the conversation is
+    resumed from its checkpoint instead (never a move of unverified bytes)."""
+    resumed, src, dst, _counters = _move("node/GPU-1", "node/GPU-1", source_dies=True)
+    assert resumed == ["c"] and src == ["handoff"] and dst == ["import_handoff", "close"]

@@ -8,7 +8,9 @@ and hands the target a CUDA IPC handle of it (PyTorch's ``reduce_tensor``: the a
 an inter-process event the target waits on before reading, and a reference count the source's
 allocator honours); the target maps the buffer and copies each region into its own session's
 buffers, device to device, and lets go of the mapping before it answers. The source keeps the
-buffer until the move is closed or undone (:meth:`Handoff.release` there).
+buffer until the move is closed or undone. A source that dies before the target has copied frees
+the buffer under the mapping, so the controller pings the source after the import and distrusts a
+copy whose source is gone (the conversation then resumes from its checkpoint).
 
 Only for two processes of one host on one physical device: :func:`device_identity` names the device
 (node and GPU UUID) and the controller takes this path only where both ends name the same one; any

@@ -160,7 +160,11 @@ class Moves:
         try:
             on_device = via == "auto" and _same_device(src, dst, self.config)
             moved = await self._hand_off(conv, src, dst) if on_device else None
-            if moved is not None:
+            if moved == _SOURCE_LOST:  # what the target read may not be the conversation: resume instead
+                await self._resume_locked(conv)
+                raise NoWorkers(f"moving {conv.conv_id!r} from {src.name} to {target} failed: the source died "
+                                f"while the target read its buffer; the conversation is on {conv.worker}")
+            if isinstance(moved, tuple):
                 nbytes, next_seq, path = moved[0], moved[1], "device"
             else:
                 # frozen at the source from the export on (a router's chunk there is refused: Fenced);
@@ -189,10 +193,13 @@ class Moves:
                  nbytes, path)
         return MoveReport(conv.conv_id, src.name, target, seconds, int(nbytes), path)
 
-    async def _hand_off(self, conv: Any, src: Any, dst: Any) -> tuple[int, int] | None:
+    async def _hand_off(self, conv: Any, src: Any, dst: Any) -> tuple[int, int] | str | None:
         """The move on the GPU both workers share (:mod:`cadence_fx.serve.handoff`): ``(bytes, next
         chunk)``, or ``None`` where the target could not map the source's buffer (counted as
-        ``handoff_fallback``; the conversation stays frozen at the source for the object store's path)."""
+        ``handoff_fallback``; the conversation stays frozen at the source for the object store's path),
+        or ``_SOURCE_LOST`` where the source was dead once the target had copied its buffer (the
+        target's copy is closed: the memory of a process that exits is freed under its mappings, so
+        what was read is not trusted)."""
         try:
             handoff = await src.handle.handoff.remote(conv.conv_id)  # frozen there from here on
             nbytes = await dst.handle.import_handoff.remote(conv.conv_id, handoff, epoch=conv.epoch + 1)
@@ -202,7 +209,17 @@ class Moves:
             self.metrics.count("handoff_fallback")
             log.warning("moving %s on the device failed (%s): through the object store", conv.conv_id, e)
             return None
+        # the target synchronized before it answered, so a source alive now was alive while it was read
+        if not await self._probe(src):
+            try:
+                await dst.handle.close.remote(conv.conv_id)
+            except (RayActorError, RayTaskError) as e:
+                log.warning("a move of %s whose source died: closing the target's copy failed (%s)", conv.conv_id, e)
+            return _SOURCE_LOST
         return int(nbytes), int(handoff.next_seq)
+
+
+_SOURCE_LOST = "source lost"
 
 
 def _same_device(src: Any, dst: Any, config: Any) -> bool:
