@@ -298,3 +298,15 @@ def test_a_source_dead_after_the_target_read_its_buffer_is_not_trusted_the_conve
     resumed from its checkpoint instead (never a move of unverified bytes)."""
     resumed, src, dst, _counters = _move("node/GPU-1", "node/GPU-1", source_dies=True)
     assert resumed == ["c"] and src == ["handoff"] and dst == ["import_handoff", "close"]
+
+
+@pytest.mark.cuda
+def test_a_reserved_pinned_block_is_what_the_next_export_of_its_size_copies_into():
+    from cadence_fx.serve.packing import reserve_pinned
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    n = 3 << 20
+    ptr = reserve_pinned(n)
+    host = to_host(torch.zeros(n, dtype=torch.uint8, device="cuda"))
+    assert host.is_pinned() and host.data_ptr() == ptr  # the cached block: no new page-locking

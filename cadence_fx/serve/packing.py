@@ -22,7 +22,7 @@ import torch
 
 from cadence_fx.runtime.state import copy_state
 
-__all__ = ["ALIGN", "PackLayout", "pack", "to_host", "unpack"]
+__all__ = ["ALIGN", "PackLayout", "pack", "reserve_pinned", "to_host", "unpack"]
 
 ALIGN = 256  # bytes: every region starts at a multiple (a CUDA allocation's alignment; any dtype's)
 
@@ -77,6 +77,19 @@ def pack(state: Mapping[str, torch.Tensor], device: torch.device | str | None = 
         for name, view in unpack(flat, layout).items():
             copy_state(view, state[name])
     return flat, layout
+
+
+def reserve_pinned(nbytes: int) -> int | None:
+    """Leave a pinned host block of ``nbytes`` in PyTorch's caching host allocator, so that the first
+    export of that size pays only for its copy, not for pinning the memory (page-locking a GiB takes a
+    fraction of a second: the first move or checkpoint of a worker was its slowest). Call it after the
+    captures (a capture empties the host cache). Returns the block's address (``None`` without CUDA)."""
+    if nbytes <= 0 or not torch.cuda.is_available():
+        return None
+    block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    ptr = block.data_ptr()
+    del block  # back to the cache, kept for the next pinned allocation of its size
+    return ptr
 
 
 def to_host(flat: torch.Tensor) -> torch.Tensor:

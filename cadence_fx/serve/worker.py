@@ -44,7 +44,7 @@ from cadence_fx.serve.calibration import Calibration, given_capacity, measure_ca
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            ConversationState, Fenced, StepResult, UnknownConversation,
                                            sequence_error)
-from cadence_fx.serve import wire
+from cadence_fx.serve import packing, wire
 from cadence_fx.serve.handoff import device_identity
 from cadence_fx.serve.transfer import Transfers
 from cadence_fx.serve.layout import StepLayout
@@ -140,6 +140,9 @@ class ConversationWorker(Transfers):
         zero_chunk, self._zero_state = self.layout.zeros(self.prog, self.device)
         self._example = [self._to_device(x) for x in config.example] if config.example is not None else zero_chunk
         self.prog.warmup(*self.layout.call_args(self._example, self._zero_state))
+        if self.device.type == "cuda":  # the staging of a conversation's export, pinned once (after the captures)
+            packing.reserve_pinned(sum(rp.session_bytes for rp in self.prog.plan.regions)
+                                   + packing.ALIGN * len(self.prog.plan.regions))
         t_warm = time.perf_counter()
         self._convs: dict[str, _Conversation] = {}
         self._handoffs: dict[str, torch.Tensor] = {}  # packed buffers shared with a move's target
