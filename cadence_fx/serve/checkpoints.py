@@ -151,6 +151,9 @@ async def resume(conv_id: str, journal: Journal, handle: Any, worker: str, *, ov
     :class:`ReplayDiverged` on other bytes."""
     t0 = time.perf_counter()
     base = journal.base
+    if base.state is None and base.seq > 0:  # adopted by a restarted controller, not checkpointed since
+        raise NoWorkers(f"conversation {conv_id!r} has no checkpoint to resume from (its controller restarted "
+                        f"at chunk {base.seq} and could not checkpoint it since)")
     if base.state is not None:
         await handle.import_conversation.remote(conv_id, base.state, replace=True, force=overcommit, epoch=epoch)
     else:

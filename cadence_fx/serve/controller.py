@@ -20,8 +20,10 @@ snapshots, restores, checkpoints) hold the same lock, so they happen between two
 :class:`~cadence_fx.serve.checkpoints.Failover`'s, the placement rules :mod:`cadence_fx.serve.placement`'s,
 what is measured :mod:`cadence_fx.serve.metrics`'s, what a router asks :class:`~cadence_fx.serve.routes.Routes`'.
 
-The controller is a single actor, not replicated: a lost controller loses the affinity table and the
-journals (the workers' sessions survive it, unreachable). Surviving it is not done yet.
+The controller is a single actor, not replicated. By default Ray fate-shares the workers it starts
+with it, so a lost controller takes every worker and session along. With ``ControllerConfig.restartable``
+the workers are detached and named after it, Ray restarts it, and the restarted instance adopts them
+and their conversations (:mod:`cadence_fx.serve.adoption`): routers stream on meanwhile.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from cadence_fx.serve import wire
+from cadence_fx.serve.adoption import Adoption, worker_actor_name
 from cadence_fx.serve.checkpoints import CheckpointPolicy, Failover, Journal, put_checkpoint
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            NoWorkers, StepResult, UnknownConversation,
@@ -46,6 +49,7 @@ from cadence_fx.serve.metrics import ServeMetrics
 from cadence_fx.serve.migration import MoveReport, Moves
 from cadence_fx.serve.placement import WorkerView, choose
 from cadence_fx.serve.routes import Routes
+from cadence_fx.serve.tables import ConvRow, WorkerRow
 from cadence_fx.serve.turns import Turns
 from cadence_fx.serve.worker import WorkerConfig, WorkerStatus, worker_actor
 
@@ -70,48 +74,19 @@ class ControllerConfig:
     health_timeout_s: float = 10.0
     metrics_window: int = 1024
     handoff: bool = True  # moves between two workers on one GPU stay on it (CUDA IPC: serve.handoff)
+    # workers outlive the controller (detached, named after it); Ray restarts the controller, which
+    # adopts them and their conversations (serve.adoption)
+    restartable: bool = False
 
 
-@dataclass
-class _Worker:
-    name: str
-    handle: Any
-    capacity: int
-    lanes: int
-    deadline_s: float
-    spawn_to_ready_s: float
-    status: WorkerStatus
-    alive: bool = True
-    draining: bool = False
-    in_flight: int = 0
-    died_at: float | None = None
-
-
-@dataclass
-class _Conv:
-    conv_id: str
-    worker: str
-    seed: int
-    journal: Journal
-    cond: asyncio.Condition
-    opened_at: float
-    next_seq: int = 0  # a routed one's: the worker's at its placement (the router's journal has the rest)
-    closed: bool = False
-    routed: bool = False  # its chunks come from a router, which keeps the journal since the base
-    epoch: int = 0  # the placement's fence token: +1 at every move and resume
-    lagging: bool = False  # routed, resumed, and the router's journal not re-run yet
-    also_on: str | None = None  # during a move, the other worker with a copy: its slot counts there
-    snapshots: collections.OrderedDict[str, tuple[Any, int]] = field(default_factory=collections.OrderedDict)
-
-
-class ServeController(Moves, Failover, Turns, Routes):
+class ServeController(Adoption, Moves, Failover, Turns, Routes):
     """Placement, routing, checkpoints and failover for conversations on :class:`ConversationWorker` s."""
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
         wire.install()  # chunks and their outputs cross as numpy arrays
         self.config = config or ControllerConfig()
-        self._workers: dict[str, _Worker] = {}
-        self._convs: dict[str, _Conv] = {}
+        self._workers: dict[str, WorkerRow] = {}
+        self._convs: dict[str, ConvRow] = {}
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._room = asyncio.Condition()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -119,6 +94,24 @@ class ServeController(Moves, Failover, Turns, Routes):
         self._added = 0
         self._resumes: collections.deque[dict[str, Any]] = collections.deque(maxlen=4096)
         self.metrics = ServeMetrics(self.config.metrics_window)
+        self.adopted: dict[str, Any] = {}
+        self._name = (ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None) or CONTROLLER_NAME
+        if self.config.restartable:  # a restart (or a first start: nothing named after it yet)
+            self._adopt(self._name)
+
+    def _new_worker(self, name: str, handle: Any, status: WorkerStatus) -> WorkerRow:
+        return WorkerRow(name, handle, status.capacity, status.lanes, status.calibration.deadline_ms / 1e3,
+                       status.ready_s, status)
+
+    def _new_conv(self, conv_id: str, worker: str, seed: int, journal: Journal, *, next_seq: int, routed: bool,
+                  epoch: int) -> ConvRow:
+        return ConvRow(conv_id, worker, seed, journal, asyncio.Condition(), time.monotonic(), next_seq=next_seq,
+                     routed=routed, epoch=epoch)
+
+    def _ensure_watch(self) -> None:
+        """The health watch, also for workers adopted in the constructor (no loop ran there)."""
+        if self._health is None and self._workers and self.config.health_interval_s > 0:
+            self._health = self._spawn(self._watch())
 
     # ------------------------------------------------------------------ workers
     async def add_worker(self, config: WorkerConfig, name: str | None = None,
@@ -130,9 +123,11 @@ class ServeController(Moves, Failover, Turns, Routes):
         if name in self._workers and self._workers[name].alive:
             raise ValueError(f"a live worker is already named {name!r}")
         t0 = time.perf_counter()
+        if self.config.restartable:  # outlives this instance, found again by name by the next one
+            options = {**(options or {}), "lifetime": "detached", "name": worker_actor_name(self._name, name)}
         handle = worker_actor(config, name=name, options=options)
         status: WorkerStatus = await handle.status.remote()
-        self._workers[name] = _Worker(name, handle, status.capacity, status.lanes, config.deadline_s,
+        self._workers[name] = WorkerRow(name, handle, status.capacity, status.lanes, config.deadline_s,
                                       time.perf_counter() - t0, status)
         log.info("worker %s joined: capacity %d, %d lane(s), ready %.2f s after it was started", name,
                  status.capacity, status.lanes, time.perf_counter() - t0)
@@ -140,8 +135,7 @@ class ServeController(Moves, Failover, Turns, Routes):
             if not self._alive(conv.worker):
                 self._spawn(self._resume_task(conv))
         await self._notify_room()
-        if self._health is None and self.config.health_interval_s > 0:
-            self._health = self._spawn(self._watch())
+        self._ensure_watch()
         return status
 
     async def remove_worker(self, name: str) -> list[MoveReport]:
@@ -184,7 +178,7 @@ class ServeController(Moves, Failover, Turns, Routes):
                         await asyncio.wait_for(self._room.wait(), left)
                     except asyncio.TimeoutError:
                         pass
-            conv = _Conv(conv_id, target, seed, Journal.opened(seed, prompt_ref), asyncio.Condition(), time.monotonic(),
+            conv = ConvRow(conv_id, target, seed, Journal.opened(seed, prompt_ref), asyncio.Condition(), time.monotonic(),
                          routed=routed)
             self._convs[conv_id] = conv  # reserved before the call: concurrent opens see it
         try:
@@ -278,6 +272,7 @@ class ServeController(Moves, Failover, Turns, Routes):
     async def status(self) -> dict[str, Any]:
         """Workers (capacity, conversations, lanes, lanes busy, time to ready, their own status),
         conversations and the metrics summary."""
+        self._ensure_watch()
         self._refresh_gauges()
         counts = self._counts()
         workers = {}
@@ -287,7 +282,7 @@ class ServeController(Moves, Failover, Turns, Routes):
                                "lanes_busy": min(w.in_flight, w.lanes), "spawn_to_ready_s": w.spawn_to_ready_s,
                                "ready_s": w.status.ready_s, "calibration": w.status.calibration.describe()}
         return {"workers": workers, "conversations": len(self._convs), "metrics": self.metrics.summary(),
-                "resumes": list(self._resumes)}
+                "resumes": list(self._resumes), "adopted": dict(self.adopted)}
 
     async def metrics_text(self) -> bytes:
         """The Prometheus text exposition of :attr:`metrics` (the front end serves it)."""
@@ -295,7 +290,7 @@ class ServeController(Moves, Failover, Turns, Routes):
         return self.metrics.exposition()
 
     # ------------------------------------------------------------------ failover
-    async def _on_worker(self, conv: _Conv, make: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def _on_worker(self, conv: ConvRow, make: Callable[[Any], Awaitable[Any]]) -> Any:
         """``make(handle)`` on the worker holding ``conv`` (whose lock the caller holds); a dead worker is
         failed over and the call sent again to the conversation's new worker."""
         for _attempt in range(len(self._workers) + 2):
@@ -329,7 +324,7 @@ class ServeController(Moves, Failover, Turns, Routes):
         async with self._room:
             self._room.notify_all()
 
-    def _conv(self, conv_id: str) -> _Conv:
+    def _conv(self, conv_id: str) -> ConvRow:
         conv = self._convs.get(conv_id)
         if conv is not None:
             return conv
@@ -337,7 +332,7 @@ class ServeController(Moves, Failover, Turns, Routes):
             raise ConversationClosed(f"conversation {conv_id!r} was closed")
         raise UnknownConversation(f"no conversation {conv_id!r} (open: {len(self._convs)})")
 
-    def _worker(self, name: str) -> _Worker:
+    def _worker(self, name: str) -> WorkerRow:
         if name not in self._workers:
             raise LookupError(f"no worker {name!r} (workers: {sorted(self._workers)})")
         return self._workers[name]
@@ -383,6 +378,8 @@ def start_controller(workers: Sequence[WorkerConfig] = (), *, config: Controller
     opts: dict[str, Any] = {"name": name, "num_cpus": 0, "max_concurrency": 1000}
     if detached:
         opts["lifetime"] = "detached"
+    if config is not None and config.restartable:  # restarted on death, under its name: it adopts its workers
+        opts["max_restarts"] = -1
     handle: Any = ray.remote(ServeController).options(**opts).remote(config)
     ray.get([handle.add_worker.remote(cfg, f"worker-{i}", worker_options) for i, cfg in enumerate(workers)])
     return handle

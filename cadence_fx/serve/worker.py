@@ -119,6 +119,7 @@ class _Conversation:
     lock: threading.Lock
     epoch: int = 0  # the placement's fence token (the controller's)
     frozen: bool = False  # exported for a move: no chunk until the move is done (or undone: thaw)
+    routed: bool = False  # its last chunk came from a router (with an epoch), not through the controller
 
 
 class ConversationWorker(Transfers):
@@ -196,6 +197,7 @@ class ConversationWorker(Transfers):
             outputs = tuple(_to_host(o) for o in visible)  # waits for the device: the outputs are on the host
             call_s = time.perf_counter() - t_call
             conv.next_seq = seq + 1
+            conv.routed = epoch is not None
         digest = sha256_tensors(o for o in outputs if isinstance(o, torch.Tensor))
         took = time.perf_counter() - t0
         with self._lock:
@@ -261,6 +263,15 @@ class ConversationWorker(Transfers):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def conversation_table(self) -> dict[str, dict[str, Any]]:
+        """Each open conversation's placement facts, by id: ``epoch``, ``next_seq``, ``seed``, ``frozen``
+        (exported for a move) and ``routed`` (its last chunk came from a router): what a restarted
+        controller rebuilds its table from (``ControllerConfig.restartable``)."""
+        with self._lock:
+            convs = dict(self._convs)
+        return {cid: {"epoch": c.epoch, "next_seq": c.next_seq, "seed": c.seed, "frozen": c.frozen, "routed": c.routed}
+                for cid, c in convs.items()}
 
     def conversations(self) -> list[str]:
         with self._lock:
