@@ -310,3 +310,4 @@ def test_a_reserved_pinned_block_is_what_the_next_export_of_its_size_copies_into
     ptr = reserve_pinned(n)
     host = to_host(torch.zeros(n, dtype=torch.uint8, device="cuda"))
     assert host.is_pinned() and host.data_ptr() == ptr  # the cached block: no new page-locking
+
