@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
 
 import cadence_fx as cf
 from cadence_fx.determinism import sha256_tensors
@@ -79,3 +83,16 @@ def demo_call(fn, cfg, seed: int, k: int, state):
     """``fn`` (a program, a session or the reference) on call ``k`` of conversation ``seed``."""
     tok, noise = demo_inputs(cfg, seed, k)
     return fn(tok, *state, noise)
+
+
+def run_bench_report(cmd: list[str], out: Path, *, timeout: float) -> dict[str, Any]:
+    """Run a benchmark script (``cmd``) with this checkout on its path, and its JSON report ``out``:
+    written, without an ``error``, and the process exited 0 (each failure says what it printed)."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert "error" not in rep, rep["error"]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return rep

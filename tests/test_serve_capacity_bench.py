@@ -10,13 +10,12 @@ module of the run holds).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_bench_report
 
 pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
@@ -30,12 +29,7 @@ def test_capacity_benchmark_serves_every_row_in_process_and_through_the_front_en
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_capacity.py"), "--model", "demo", "--lanes", "1",
            "--sessions", "1,2", "--seconds", "2", "--period", "0.5", "--artifact", str(tmp_path / "demo.cfx"),
            "--json", str(out), "--no-worker-logs", "--ray-cpus", "2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
-    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    rep = json.loads(out.read_text())
-    assert "error" not in rep, rep["error"]
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rep = run_bench_report(cmd, out, timeout=180)
     assert (tmp_path / "demo.cfx.inputs.pt").exists() and rep["artifact"]["built"]
     rows = {(r["mode"], r["sessions"]): r for r in rep["rows"]}
     assert set(rows) == {(m, n) for m in ("in_process", "service") for n in (1, 2)}

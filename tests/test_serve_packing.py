@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import numpy as np
@@ -253,8 +254,8 @@ def test_any_state_packs_and_crosses_pickle_with_every_bit(regions):
     state = {}
     for j, (dtype, shape, strided, seed) in enumerate(regions):
         g = torch.Generator().manual_seed(seed)
-        base = torch.randint(0, 256, (2 * max(1, _numel(shape)) * 16,), generator=g, dtype=torch.uint8)
-        raw = base[:_numel(shape) * torch.empty((), dtype=dtype).element_size()]
+        base = torch.randint(0, 256, (2 * max(1, math.prod(shape)) * 16,), generator=g, dtype=torch.uint8)
+        raw = base[:math.prod(shape) * dtype.itemsize]
         # a bool a kernel wrote is 0 or 1 (copies normalize any other byte), so the state's are too
         t = (raw % 2).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
         if strided and t.dim() >= 1 and t.shape[0] > 1:
@@ -269,12 +270,6 @@ def test_any_state_packs_and_crosses_pickle_with_every_bit(regions):
         assert got.dtype == t.dtype and tuple(got.shape) == tuple(t.shape), name
         assert np.array_equal(_bits(got), _bits(t)), name
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def test_one_element_taken_with_a_step_digests_encodes_and_compares_like_its_dense_copy():

@@ -11,13 +11,12 @@ run holds), with the smallest counts.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_bench_report
 
 pytest.importorskip("ray")
 
@@ -29,12 +28,7 @@ def test_serve_benchmark_runs_every_phase_end_to_end_with_every_stream_exact(tmp
     cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_token2wav.py"), "--model", "demo", "--json", str(out),
            "--chunks", "3", "--moves", "1", "--checkpoints", "1", "--every", "2", "--warm", "3", "--stock-chunks", "2",
            "--no-replacement", "--no-worker-logs", "--ray-cpus", "2", "--parallel-start"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    rep = json.loads(out.read_text())
-    assert "error" not in rep, rep["error"]
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rep = run_bench_report(cmd, out, timeout=240)
     assert rep["exact"] and rep["lost_chunks"] == 0 and rep["answered_twice"] == 0
     assert set(rep["streams"]) == {"routing", "router", "direct", "mover", "f0", "f1", "f2"}
     assert rep["stock_prefix_exact"] is True  # the served bytes are the stock driver's

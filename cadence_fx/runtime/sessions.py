@@ -29,6 +29,7 @@ from cadence_fx.runtime.transaction import commit_copies, deferred_signals
 
 _T = TypeVar("_T")
 
+
 class SessionHost(Protocol):
     """What a session needs from the program that hands it out (the façade implements it)."""
 

@@ -24,6 +24,7 @@ conversations whose chunks went through it) is gone: the checkpoint at adoption 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cadence_fx.serve.checkpoints import Base, Journal, put_checkpoint
+from cadence_fx.serve.tables import ConvRow, WorkerRow
 
 if TYPE_CHECKING:
     from cadence_fx.serve.metrics import ServeMetrics
@@ -58,10 +60,6 @@ class Adoption:
         _convs: dict[str, Any]
         adopted: dict[str, Any]
 
-        def _new_worker(self, name: str, handle: Any, status: Any) -> Any: ...
-        def _new_conv(self, conv_id: str, worker: str, seed: int, journal: Journal, *, next_seq: int,
-                      routed: bool, epoch: int) -> Any: ...
-
     def _adopt(self, controller: str) -> None:
         """Rebuild the tables from the workers named after ``controller`` (see the module docstring);
         blocking, in the constructor, before any call is taken."""
@@ -78,7 +76,8 @@ class Adoption:
             except (ValueError, RayActorError, GetTimeoutError) as e:
                 log.warning("adoption: worker %s left out (%s)", full, e)
                 continue
-            self._workers[name] = self._new_worker(name, handle, status)
+            self._workers[name] = WorkerRow(name, handle, status.capacity, status.lanes,
+                                            status.calibration.deadline_ms / 1e3, status.ready_s, status)
             for cid, facts in table.items():
                 copies.setdefault(cid, []).append((int(facts["epoch"]), name, facts))
         closed, thawed, checkpointed, unprotected = 0, 0, 0, []
@@ -90,8 +89,8 @@ class Adoption:
             if facts["frozen"] and len(found) == 1:  # a move that never reached its target
                 thawed += _call(self._workers[name].handle.thaw.remote(cid), f"thawing {cid} on {name}")
             journal = Journal(Base(int(facts["next_seq"]), None, int(facts["seed"]), None))
-            conv = self._new_conv(cid, name, int(facts["seed"]), journal, next_seq=int(facts["next_seq"]),
-                                  routed=bool(facts["routed"]), epoch=epoch)
+            conv = ConvRow(cid, name, int(facts["seed"]), journal, asyncio.Condition(), time.monotonic(),
+                           next_seq=int(facts["next_seq"]), routed=bool(facts["routed"]), epoch=epoch)
             self._convs[cid] = conv
             try:
                 state = ray.get(self._workers[name].handle.export_conversation.remote(cid), timeout=_CALL_S)

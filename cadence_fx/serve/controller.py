@@ -99,15 +99,6 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
         if self.config.restartable:  # a restart (or a first start: nothing named after it yet)
             self._adopt(self._name)
 
-    def _new_worker(self, name: str, handle: Any, status: WorkerStatus) -> WorkerRow:
-        return WorkerRow(name, handle, status.capacity, status.lanes, status.calibration.deadline_ms / 1e3,
-                       status.ready_s, status)
-
-    def _new_conv(self, conv_id: str, worker: str, seed: int, journal: Journal, *, next_seq: int, routed: bool,
-                  epoch: int) -> ConvRow:
-        return ConvRow(conv_id, worker, seed, journal, asyncio.Condition(), time.monotonic(), next_seq=next_seq,
-                     routed=routed, epoch=epoch)
-
     def _ensure_watch(self) -> None:
         """The health watch, also for workers adopted in the constructor (no loop ran there)."""
         if self._health is None and self._workers and self.config.health_interval_s > 0:
@@ -128,7 +119,7 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
         handle = worker_actor(config, name=name, options=options)
         status: WorkerStatus = await handle.status.remote()
         self._workers[name] = WorkerRow(name, handle, status.capacity, status.lanes, config.deadline_s,
-                                      time.perf_counter() - t0, status)
+                                        time.perf_counter() - t0, status)
         log.info("worker %s joined: capacity %d, %d lane(s), ready %.2f s after it was started", name,
                  status.capacity, status.lanes, time.perf_counter() - t0)
         for conv in list(self._convs.values()):
@@ -178,8 +169,8 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
                         await asyncio.wait_for(self._room.wait(), left)
                     except asyncio.TimeoutError:
                         pass
-            conv = ConvRow(conv_id, target, seed, Journal.opened(seed, prompt_ref), asyncio.Condition(), time.monotonic(),
-                         routed=routed)
+            conv = ConvRow(conv_id, target, seed, Journal.opened(seed, prompt_ref), asyncio.Condition(),
+                           time.monotonic(), routed=routed)
             self._convs[conv_id] = conv  # reserved before the call: concurrent opens see it
         try:
             async with conv.cond:

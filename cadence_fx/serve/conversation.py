@@ -117,13 +117,6 @@ class ConversationState:
     packed: tuple[torch.Tensor, PackLayout] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, conv_id: str, snapshot: Snapshot, *, next_seq: int, seed: int | None) -> "ConversationState":
-        """From a session snapshot already on the host (``Session.snapshot(device="cpu")``)."""
-        rng = snapshot.rng if snapshot.rng is not None else RngStates.current()
-        cuda = tuple(t.cpu() for t in rng.cuda) if rng.cuda is not None else None
-        return cls(conv_id, dict(snapshot.state), rng.cpu.clone(), cuda, next_seq, seed)
-
-    @classmethod
     def of_packed(cls, conv_id: str, flat: torch.Tensor, layout: PackLayout, rng: RngStates | None, *,
                   next_seq: int, seed: int | None) -> "ConversationState":
         """From a packed host buffer (:func:`cadence_fx.serve.packing.pack`, then ``to_host``)."""

@@ -15,6 +15,7 @@ keep every bit: a region comes back with its dtype, shape and bytes (contiguous)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -44,15 +45,7 @@ class PackLayout:
 
     def region_bytes(self) -> int:
         """Bytes of the regions themselves (the buffer less its alignment padding)."""
-        return sum(_numel(shape) * torch.empty((), dtype=dtype).element_size()
-                   for _n, dtype, shape, _o in self.entries)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        return sum(math.prod(shape) * dtype.itemsize for _n, dtype, shape, _o in self.entries)
 
 
 def unpack(flat: torch.Tensor, layout: PackLayout) -> dict[str, torch.Tensor]:
@@ -62,8 +55,7 @@ def unpack(flat: torch.Tensor, layout: PackLayout) -> dict[str, torch.Tensor]:
                          f"{flat.dtype} of shape {tuple(flat.shape)}")
     out = {}
     for name, dtype, shape, offset in layout.entries:
-        size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        out[name] = flat[offset:offset + size].view(dtype).view(shape)
+        out[name] = flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
     return out
 
 
