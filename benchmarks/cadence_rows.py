@@ -57,7 +57,8 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
     busy = [p.get("busy_fraction") for p in parts if p.get("busy_fraction") is not None]
     return dict(cell=cell, name=cell, gpus=g, n_sessions=n, p50_ms=harness.percentile(lat, 50),
                 p95_ms=harness.percentile(lat, 95), p99_ms=harness.percentile(lat, 99), max_ms=max(lat, default=None),
-                misses=misses, chunks=len(lat) + abandoned, abandoned=abandoned, peak_mib=sum(peaks) if all(x is not None for x in peaks) else None,
+                misses=misses, chunks=len(lat) + abandoned, abandoned=abandoned,
+                peak_mib=sum(peaks) if all(x is not None for x in peaks) else None,
                 bitexact=exact, busy_fraction=sum(busy) / len(busy) if busy else None,
                 busy_per_gpu=[p.get("busy_fraction") for p in parts], misses_while_profiling=profiled_misses,
                 join_p50_ms=harness.percentile(join_ms, 50) if join_ms else None,
