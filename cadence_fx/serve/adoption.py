@@ -8,6 +8,9 @@ workers by name and rebuilds its tables from them (:meth:`Adoption._adopt`):
 
 - each live worker's status (capacity, lanes) and its conversations' placement facts (epoch, next
   chunk, seed, whether a router was sending its chunks: ``ConversationWorker.conversation_table``);
+  a worker whose lanes are still capturing is adopted at the capacity of those online, and grows to
+  its full one as for a worker that joins (:mod:`cadence_fx.serve.warming`: the task starts with the
+  restarted instance's first ``open`` or ``status``);
 - a conversation found on two workers (its controller died during a move) keeps the copy of the
   higher epoch, the target's: the other is closed as moved. One found frozen alone (a move that never
   reached its target) is thawed;

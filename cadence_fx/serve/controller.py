@@ -51,6 +51,7 @@ from cadence_fx.serve.placement import WorkerView, choose
 from cadence_fx.serve.routes import Routes
 from cadence_fx.serve.tables import ConvRow, WorkerRow
 from cadence_fx.serve.turns import Turns
+from cadence_fx.serve.warming import Warming, lanes_online
 from cadence_fx.serve.worker import WorkerConfig, WorkerStatus, worker_actor
 
 __all__ = ["CONTROLLER_NAME", "ControllerConfig", "ServeController", "get_controller", "start_controller"]
@@ -79,7 +80,7 @@ class ControllerConfig:
     restartable: bool = False
 
 
-class ServeController(Adoption, Moves, Failover, Turns, Routes):
+class ServeController(Adoption, Moves, Failover, Turns, Routes, Warming):
     """Placement, routing, checkpoints and failover for conversations on :class:`ConversationWorker` s."""
 
     def __init__(self, config: ControllerConfig | None = None) -> None:
@@ -100,7 +101,9 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
             self._adopt(self._name)
 
     def _ensure_watch(self) -> None:
-        """The health watch, also for workers adopted in the constructor (no loop ran there)."""
+        """The health watch and the lanes' (:mod:`~cadence_fx.serve.warming`), also for workers adopted
+        in the constructor (no loop ran there)."""
+        self._watch_lanes()
         if self._health is None and self._workers and self.config.health_interval_s > 0:
             self._health = self._spawn(self._watch())
 
@@ -108,7 +111,9 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
     async def add_worker(self, config: WorkerConfig, name: str | None = None,
                          options: Mapping[str, Any] | None = None) -> WorkerStatus:
         """Start a worker from ``config`` (an artifact) and admit conversations onto it once it is ready
-        (loaded, warmed up, calibrated). Conversations left without a worker are resumed on it."""
+        (loaded, warmed up, calibrated; with ``serve_from_lanes``, its first lanes: its capacity grows as
+        the others come online, :mod:`~cadence_fx.serve.warming`). Conversations left without a worker
+        are resumed on it."""
         self._added += 1
         name = name or f"worker-{self._added}"
         if name in self._workers and self._workers[name].alive:
@@ -120,8 +125,8 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
         status: WorkerStatus = await handle.status.remote()
         self._workers[name] = WorkerRow(name, handle, status.capacity, status.lanes, config.deadline_s,
                                         time.perf_counter() - t0, status)
-        log.info("worker %s joined: capacity %d, %d lane(s), ready %.2f s after it was started", name,
-                 status.capacity, status.lanes, time.perf_counter() - t0)
+        log.info("worker %s joined: capacity %d, %d of %d lane(s) online, ready %.2f s after it was started",
+                 name, status.capacity, lanes_online(status), status.lanes, time.perf_counter() - t0)
         for conv in list(self._convs.values()):
             if not self._alive(conv.worker):
                 self._spawn(self._resume_task(conv))
@@ -149,6 +154,7 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
         conversation must be reproducible to be resumed). When every worker is at capacity it waits up
         to ``wait_s`` for room, then raises :class:`AdmissionRefused` saying why. ``routed``: its chunks
         will come from a :class:`~cadence_fx.serve.router.Router` (the reply has its ``placement``)."""
+        self._ensure_watch()  # a restarted controller's first call may be this one
         if conv_id in self._convs:
             raise ConversationExists(f"conversation {conv_id!r} is already open (on {self._convs[conv_id].worker})")
         seed = int.from_bytes(os.urandom(7), "little") if seed is None else int(seed)
@@ -270,6 +276,7 @@ class ServeController(Adoption, Moves, Failover, Turns, Routes):
         for w in self._workers.values():
             workers[w.name] = {"alive": w.alive, "draining": w.draining, "capacity": w.capacity,
                                "conversations": counts.get(w.name, 0), "lanes": w.lanes,
+                               "lanes_online": lanes_online(w.status),
                                "lanes_busy": min(w.in_flight, w.lanes), "spawn_to_ready_s": w.spawn_to_ready_s,
                                "ready_s": w.status.ready_s, "calibration": w.status.calibration.describe()}
         return {"workers": workers, "conversations": len(self._convs), "metrics": self.metrics.summary(),

@@ -32,6 +32,7 @@ class WorkerRow:
     draining: bool = False
     in_flight: int = 0
     died_at: float | None = None
+    lanes_watched: bool = False  # a task waits for its lanes still capturing (serve.warming)
 
 
 @dataclass
