@@ -34,6 +34,7 @@ from cadence_fx.runtime.clone import NotCopyable, copy_lane
 from cadence_fx.runtime.lanes import LANE_STREAM_PRIORITY, Entry, Lane, LanePool, privatize_written_buffers
 from cadence_fx.runtime.runners import RunnerSet, install_runners, isolate_randomness
 from cadence_fx.runtime.state import StateStore
+from cadence_fx.runtime.streams import held_stream
 from cadence_fx.runtime.workspaces import CatalogTables, rebind_shared_workspaces, release_stale_workspaces
 from cadence_fx.shared_weights import share_catalog_tensors
 
@@ -288,7 +289,8 @@ class LaneBuilder:
         release_stale_workspaces(tables.workspaces)
         stream = None
         if index > 0 and backend is not None and getattr(backend, "device_type", None) == "cuda":
-            stream = torch.cuda.Stream(backend.device, priority=LANE_STREAM_PRIORITY)
+            # a stream of its own (not another lane's: lanes sharing one would wait on each other's chunks)
+            stream = held_stream(backend.device, (LANE_STREAM_PRIORITY, -2, -3, 0), backend)
         return Lane(index, catalog, store, runners, stream=stream, scratch=list(private.values()))
 
 

@@ -20,9 +20,13 @@ from torch.fx import GraphModule
 from cadence_fx.analysis.branch_plan import plan_branches
 from cadence_fx.runtime.branch_run import BranchedRun
 from cadence_fx.runtime.rng import GraphGenerator, replaying_draws
-from cadence_fx.runtime.streams import StreamHandoff
+from cadence_fx.runtime.streams import StreamHandoff, held_stream, shared_lock
 
-__all__ = ["CudaGraphBackend", "ReplayBackend"]
+__all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend"]
+
+# the pools capture and branch streams come from, in order: the lower priorities first, which callers'
+# own streams (priority 0) and the lanes' (-1) take from least
+CAPTURE_STREAM_PRIORITIES = (-3, -2, 0, -1)
 
 
 class ReplayBackend(Protocol):
@@ -115,7 +119,9 @@ class CudaGraphBackend:
         dev = self.device
         key = (role, dev.index)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(dev)
+            # a stream no other backend captures on: cuBLAS keeps one workspace per stream, baked into the
+            # graphs captured there, and two backends' graphs sharing one would race when lanes replay at once
+            self._streams[key] = held_stream(dev, CAPTURE_STREAM_PRIORITIES, self)
         return self._streams[key]
 
     def available(self) -> bool:
@@ -148,7 +154,10 @@ class CudaGraphBackend:
         Programs given one backend may therefore be called from several threads and streams: their
         replays are serialized, never interleaved. Lanes fork backends of their own and run in parallel.
         """
-        with self._lock, self._handoff.held_on(torch.cuda.current_stream(self.device)):
+        capture = self._streams.get(("capture", self.device.index))
+        shared = shared_lock(capture) if capture is not None else None
+        with shared if shared is not None else nullcontext(), self._lock, \
+                self._handoff.held_on(torch.cuda.current_stream(self.device)):
             yield
 
     def device_rng_set(self, state: torch.Tensor) -> None:

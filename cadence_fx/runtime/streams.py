@@ -9,12 +9,15 @@ holder on the same stream is ordered by the stream itself.
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-__all__ = ["StreamHandoff"]
+__all__ = ["StreamHandoff", "held_stream", "shared_lock"]
 
 
 class StreamHandoff:
@@ -38,3 +41,65 @@ class StreamHandoff:
                 event = self._events[stream] = torch.cuda.Event()
             event.record(stream)  # a wait already issued keeps the record it saw
             self._last = (stream, event)
+
+
+# Streams a backend or a lane holds for its life, by (device, CUDA stream handle): PyTorch hands out
+# ``torch.cuda.Stream()`` round robin from pools of 32 per priority and device, so the 33rd stream of a
+# priority is the first again. Two backends capturing on one stream share what a library keys by
+# stream: cuBLAS and cuBLASLt keep one workspace per (handle, stream), baked into every graph captured
+# there, and two lanes replaying such graphs at once race on it (Moshi's three programs x 16 lanes
+# made 48 capture streams: decode lane k shared encode lane k's workspace, and concurrent sessions'
+# PCM differed).
+_HELD: dict[tuple[int, int], int] = {}
+_SHARED_LOCKS: dict[tuple[int, int], "threading.RLock"] = {}
+_REGISTRY_LOCK = threading.Lock()
+_POOL_SIZE = 32  # torch's streams per priority and device (c10/cuda/CUDAStream.cpp: kStreamsPerPool)
+log = logging.getLogger(__name__)
+
+
+def held_stream(device: torch.device, priorities: tuple[int, ...], owner: object) -> torch.cuda.Stream:
+    """A stream from PyTorch's pools that no other holder has, tried in the order of ``priorities``, held
+    until ``owner`` is garbage collected. When every pooled stream of those priorities is held, the least
+    held one is shared (logged); :func:`shared_lock` then names a lock its holders must replay under."""
+    with _REGISTRY_LOCK:
+        seen: dict[tuple[int, int], torch.cuda.Stream] = {}
+        for priority in priorities:
+            for _ in range(_POOL_SIZE):
+                try:
+                    s = torch.cuda.Stream(device, priority=priority)
+                except RuntimeError:  # a priority this build or device does not have
+                    break
+                key = (device.index, s.cuda_stream)
+                if key in seen:
+                    break  # this priority's pool went round (or is clamped to one already tried)
+                seen[key] = s
+                if not _HELD.get(key):
+                    return _hold(key, s, owner)
+        key = min(seen, key=lambda k: _HELD.get(k, 0))
+        log.warning("every pooled CUDA stream of priorities %s on device %s is held: one is shared (its holders' "
+                    "replays are serialized, since libraries keep one workspace per stream)", priorities, device)
+        _SHARED_LOCKS.setdefault(key, threading.RLock())
+        return _hold(key, seen[key], owner)
+
+
+def shared_lock(stream: torch.cuda.Stream) -> "threading.RLock | None":
+    """The lock every holder of ``stream`` must hold around a replay, when the stream is shared."""
+    key = (stream.device.index, stream.cuda_stream)
+    with _REGISTRY_LOCK:
+        return _SHARED_LOCKS.get(key) if _HELD.get(key, 0) > 1 else None
+
+
+def _hold(key: tuple[int, int], stream: torch.cuda.Stream, owner: object) -> torch.cuda.Stream:
+    _HELD[key] = _HELD.get(key, 0) + 1
+    weakref.finalize(owner, _release, key)
+    return stream
+
+
+def _release(key: tuple[int, int]) -> None:
+    with _REGISTRY_LOCK:
+        n = _HELD.get(key, 0) - 1
+        if n > 0:
+            _HELD[key] = n
+        else:
+            _HELD.pop(key, None)
+            _SHARED_LOCKS.pop(key, None)
