@@ -31,7 +31,7 @@ from cadence_fx.runtime.rng import RngStates, draw_random
 from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
 from cadence_fx.runtime.sessions import Session
 from cadence_fx.runtime.transaction import UndoLog
-from cadence_fx.runtime.warmup import warm_up
+from cadence_fx.runtime.warmup import LaneWarmup, warm_up
 from cadence_fx.runtime.weights import FoldedWeights
 
 __all__ = ["CatalogMiss", "OptimizedProgram", "Replay", "check_lanes", "optimize"]
@@ -273,6 +273,19 @@ class OptimizedProgram:
         example_args = tuple(self.buffer_regions.flatten(example_args, {})) if self.buffer_regions else example_args
         return warm_up(self.lanes, self.census, example_args, region_index=self._region_index,
                        state_rule=self.state_rule, stats=self._stats)
+
+    def warmup_in_background(self, *example_args: Any, first: int = 1) -> LaneWarmup:
+        """Capture the first ``first`` lanes now and the others on a background thread, beside traffic.
+
+        Returns once the first lanes are captured: sessions may call the program then, and take only
+        lanes that are online; each later lane joins once its classes are captured and its state is
+        back (:class:`~cadence_fx.runtime.warmup.LaneWarmup`: ``online()``, ``wait()``, ``error``). What
+        a lane computes does not depend on when it was captured: each class is the same graph of the
+        same kernels, captured under the same settings. Example arguments as for :meth:`warmup`.
+        """
+        example_args = tuple(self.buffer_regions.flatten(example_args, {})) if self.buffer_regions else example_args
+        return LaneWarmup(self.lanes, self.census, example_args, first=first, region_index=self._region_index,
+                          state_rule=self.state_rule, stats=self._stats)
 
     def runners(self) -> dict[str, Any]:
         """All replay engines, by lane (after the first), partition and wrapped invocation."""

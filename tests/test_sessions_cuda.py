@@ -137,6 +137,27 @@ class Noisy(torch.nn.Module):
         return self.lin(kv.mean(1)), kv[:, -16:]
 
 
+def _noisy(*, depth: int, lanes: int):
+    """The drawing step exported with its window contract and optimized with ``lanes`` lanes: (eps, prog)."""
+    contract = cf.Contract(clocks=(cf.Clock("frame", 4),), wrap=("lin",), regions=(
+        cf.Region("kv", input="cache", output=1, clock="frame", axis=1, order="old_new",
+                  retention=cf.SlidingWindow(16), initial=16),))
+    step = Noisy(depth).eval().cuda()
+    eps = cf.export_catalog(step, contract, {"x": torch.zeros(1, 4, 64, device="cuda"),
+                                             "cache": torch.zeros(1, 16, 64, device="cuda")})
+    return eps, cf.optimize(eps, contract, lanes=lanes)
+
+
+def _noisy_solo(eps, xs, seed) -> str:
+    """A seeded conversation of the drawing step alone through the unmodified programs."""
+    torch.manual_seed(seed)
+    ref, c, out = cf.reference(eps), torch.zeros(1, 16, 64, device="cuda"), []
+    for x in xs:
+        y, c = ref(x, c)
+        out.append(y.clone())
+    return sha256(out)
+
+
 @pytest.mark.parametrize("mismarked", [False, True], ids=["marked", "draw-found-at-capture"])
 def test_each_session_replays_its_own_device_random_stream_concurrently(mismarked, monkeypatch, caplog):
     """Four seeded sessions on two lanes from four threads: each equals its solo run. The lanes' graphs
@@ -150,25 +171,10 @@ def test_each_session_replays_its_own_device_random_stream_concurrently(mismarke
         monkeypatch.setattr(mark_randomness, "draws", lambda n: False)
     rng._last_replay = None
     pin_envelope()
-    contract = cf.Contract(clocks=(cf.Clock("frame", 4),), wrap=("lin",), regions=(
-        cf.Region("kv", input="cache", output=1, clock="frame", axis=1, order="old_new",
-                  retention=cf.SlidingWindow(16), initial=16),))
-    step = Noisy().eval().cuda()
-    eps = cf.export_catalog(step, contract, {"x": torch.zeros(1, 4, 64, device="cuda"),
-                                             "cache": torch.zeros(1, 16, 64, device="cuda")})
-    prog = cf.optimize(eps, contract, lanes=2)
+    eps, prog = _noisy(depth=16, lanes=2)
     prog.warmup()
     xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(10)]
-
-    def solo(seed):
-        torch.manual_seed(seed)
-        ref, c, out = cf.reference(eps), torch.zeros(1, 16, 64, device="cuda"), []
-        for x in xs:
-            y, c = ref(x, c)
-            out.append(y.clone())
-        return sha256(out)
-
-    want = {s: solo(s) for s in range(4)}
+    want = {s: _noisy_solo(eps, xs, s) for s in range(4)}
     got: dict[int, str] = {}
 
     def run(s):
@@ -192,3 +198,49 @@ def test_each_session_replays_its_own_device_random_stream_concurrently(mismarke
     assert any("no op in it is a draw" in r.getMessage() for r in caplog.records) == mismarked
     print(f"\n[sessions-cuda] 4 seeded sessions, device RNG replayed on 2 lanes from 4 threads: each equals its "
           f"solo run (torch.manual_seed(seed)); counters {c}")
+
+
+def test_lanes_captured_beside_traffic_replay_every_session_exactly():
+    """warmup_in_background: lane 0 captured first, lanes 1-3 captured on a background thread (thread_local
+    capture mode, no device-wide synchronize, every draw held around each class) while eight seeded sessions
+    that draw stream from eight threads. Every session equals its solo run; the late lanes then serve, each
+    replaying, and nothing ran eagerly."""
+    pin_envelope()
+    eps, prog = _noisy(depth=48, lanes=4)  # captures long enough to overlap the traffic
+    xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(24)]
+    want = {s: _noisy_solo(eps, xs, s) for s in range(16)}
+
+    def streams(seeds):
+        got: dict[int, str] = {}
+
+        def run(s):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                sess, c, out = prog.session(seed=s), torch.zeros(1, 16, 64, device="cuda"), []
+                for x in xs:
+                    y, c = sess(x, c)
+                    out.append(y.clone())
+                torch.cuda.current_stream().synchronize()
+                got[s] = sha256(out)
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in seeds]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return got
+
+    warming = prog.warmup_in_background(first=1)
+    online_at_start = prog.lanes.online()
+    during = streams(range(8))
+    online_after_traffic = prog.lanes.online()
+    warming.wait(120)
+    after = streams(range(8, 16))
+    assert during == {s: want[s] for s in range(8)}
+    assert after == {s: want[s] for s in range(8, 16)}
+    c = prog.counters()
+    assert c["eager"] == 0 and c["captures"] == 4, c
+    late = {k.split("/")[0] for k, e in prog.runners().items() if e.counters.replays and k.startswith("lane")}
+    assert late, prog.runners().keys()
+    print(f"\n[sessions-cuda] beside traffic: {online_at_start} lane(s) online at the start, {online_after_traffic} "
+          f"after 8 sessions streamed; lanes ready in {warming.seconds:.2f} s ({warming.lane_seconds}); "
+          f"16 sessions equal their solo runs; counters {c}")

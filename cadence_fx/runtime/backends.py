@@ -22,7 +22,7 @@ from cadence_fx.runtime.branch_run import BranchedRun
 from cadence_fx.runtime.rng import GraphGenerator, replaying_draws
 from cadence_fx.runtime.streams import StreamHandoff, held_stream, shared_lock
 
-__all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend"]
+__all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend", "beside_traffic", "capturing_beside_traffic"]
 
 # the pools capture and branch streams come from, in order: the lower priorities first, which callers'
 # own streams (priority 0) and the lanes' (-1) take from least
@@ -165,27 +165,71 @@ class CudaGraphBackend:
 
     def capture(self, fn, static_args, pool):
         dev = self.device
-        # Empty the cache first: torch.cuda.graph does so on entry, which would
-        # otherwise show up as a negative delta unrelated to the graph.
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
+        beside = capturing_beside_traffic()
+        if not beside:
+            # Empty the cache first: torch.cuda.graph does so on entry, which would
+            # otherwise show up as a negative delta unrelated to the graph.
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream(dev)
         gen = self.generator()
         try:
             with gen.installed() if gen is not None else nullcontext(), torch.cuda.device(dev), \
-                    torch.cuda.graph(graph, pool=pool, stream=self._stream("capture")):
+                    _capturing(graph, pool, self._stream("capture"), beside):
                 outputs = fn(*static_args)
         except BaseException:
-            _recover_from_failed_capture(dev, stream)
+            _recover_from_failed_capture(dev, stream, beside)
             self._streams.pop(("capture", dev.index), None)  # a broken capture's stream is not reused
             raise
-        torch.cuda.synchronize(dev)
+        if not beside:
+            torch.cuda.synchronize(dev)
         return graph.replay, outputs, max(0, torch.cuda.memory_reserved(dev) - before)
 
 
-def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream) -> None:
+_local = threading.local()
+
+
+@contextmanager
+def beside_traffic() -> Iterator[None]:
+    """Captures this thread makes in the block run beside other threads' replays and calls.
+
+    - The capture is in ``thread_local`` mode: other threads' calls a capture forbids in ``global`` mode
+      (their allocations, copies to the host, synchronizations) stay legal, and only this thread's are checked.
+    - Nothing synchronizes the device or empties the allocator's cache around it: other threads' work is
+      in flight and their cached blocks are theirs. The memory a class reports (the reserved memory's
+      growth across its capture) then also counts what traffic allocated meanwhile.
+    """
+    prev = getattr(_local, "beside", False)
+    _local.beside = True
+    try:
+        yield
+    finally:
+        _local.beside = prev
+
+
+def capturing_beside_traffic() -> bool:
+    """Whether this thread's captures run beside traffic (:func:`beside_traffic`)."""
+    return getattr(_local, "beside", False)
+
+
+@contextmanager
+def _capturing(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream, beside: bool) -> Iterator[None]:
+    if not beside:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+        return
+    # torch.cuda.graph without its entry's synchronize and empty_cache, in thread_local mode
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
+def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream, beside: bool = False) -> None:
     """Undo what a capture that failed mid-way leaves behind.
 
     When ``capture_end`` raises, ``torch.cuda.graph`` never leaves its stream context (the capture
@@ -198,10 +242,14 @@ def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
         empty = torch.cuda.CUDAGraph()
-        with torch.cuda.device(dev), torch.cuda.graph(empty):
+        with torch.cuda.device(dev), _capturing(empty, None, torch.cuda.Stream(dev), beside) if beside \
+                else torch.cuda.graph(empty):
             pass
     torch.cuda.set_stream(stream)
-    torch.cuda.synchronize(dev)
+    if beside:
+        stream.synchronize()
+    else:
+        torch.cuda.synchronize(dev)
 
 
 class _SideStream:

@@ -13,7 +13,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch.fx import Graph, GraphModule
@@ -96,17 +96,36 @@ class Lane:
 
 
 class LanePool:
-    """Hands out free lanes; a call that names a lane waits for that one."""
+    """Hands out free lanes; a call that names a lane waits for that one.
+
+    A lane can be held offline (:meth:`hold_offline`: its graphs are still being captured, beside
+    traffic): a call that names no lane never gets it until :meth:`bring_online`."""
 
     def __init__(self, lanes: list[Lane]) -> None:
         self.lanes = lanes
         self._free = threading.Condition()
         self._busy: set[int] = set()
+        self._offline: set[int] = set()
 
     def add(self, lane: Lane) -> None:
         with self._free:
             self.lanes.append(lane)
             self._free.notify_all()
+
+    def hold_offline(self, indices: Iterable[int]) -> None:
+        """Hand lanes ``indices`` to no call that names no lane (a warm-up in the background names them)."""
+        with self._free:
+            self._offline.update(indices)
+
+    def bring_online(self, index: int) -> None:
+        with self._free:
+            self._offline.discard(index)
+            self._free.notify_all()
+
+    def online(self) -> int:
+        """How many lanes calls that name none may get."""
+        with self._free:
+            return len(self.lanes) - len(self._offline)
 
     @contextmanager
     def take(self, index: int | None = None, *, prefer_unoccupied: bool = False) -> Iterator[Lane]:
@@ -117,8 +136,12 @@ class LanePool:
         while all are busy; only a program of one lane evicts the resident state."""
         with self._free:
             while True:
-                free = [ln for ln in self.lanes if ln.index not in self._busy and (index is None or ln.index == index)]
-                if prefer_unoccupied and any(ln.resident is None for ln in self.lanes):
+                if index is None:
+                    candidates = [ln for ln in self.lanes if ln.index not in self._offline]
+                else:
+                    candidates = [ln for ln in self.lanes if ln.index == index]
+                free = [ln for ln in candidates if ln.index not in self._busy]
+                if prefer_unoccupied and any(ln.resident is None for ln in candidates):
                     free = [ln for ln in free if ln.resident is None]
                 pick = free[0] if free else None
                 if pick is not None:

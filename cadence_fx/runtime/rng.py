@@ -33,8 +33,8 @@ try:
 except ImportError:  # numpy is optional; its global RNG is then not watched
     _np = None
 
-__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "drawing", "host_rng", "host_rng_equal", "replaying_draws", "set_host_rng",
-           "session_rng"]
+__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "drawing", "draws_held", "host_rng", "host_rng_equal",
+           "replaying_draws", "set_host_rng", "session_rng"]
 
 _lock = threading.RLock()
 _local = threading.local()
@@ -104,6 +104,16 @@ def drawing() -> Iterator[None]:
         finally:
             rng.states = RngStates.current()
             outside.install()
+
+
+@contextmanager
+def draws_held() -> Iterator[None]:
+    """Hold every draw of the process for the block: no session installs its streams in the default
+    generators and no backend swaps its generator state in. A capture beside traffic reads the default
+    generators, runs the class eagerly and rewinds them (:meth:`ExactShapeReplay.capture`); a session's
+    streams installed meanwhile would be read, advanced and rewound with them."""
+    with _lock:
+        yield
 
 
 class GraphGenerator:

@@ -1,4 +1,5 @@
-"""Warm-up: capture every catalog class on every lane before traffic, leaving all state as found.
+"""Warm-up: capture every catalog class on every lane before traffic, leaving all state as found, or
+the first lanes before traffic and the others beside it (:class:`LaneWarmup`).
 
 One call per exported program runs with region inputs of that program's extents; the other inputs
 come from the caller's examples where their shapes fit and are zeros otherwise (values do not matter
@@ -8,46 +9,144 @@ back afterwards, and the program's call counters are not moved.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
+from contextlib import nullcontext
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from cadence_fx.progress import Progress
+from cadence_fx.runtime.backends import beside_traffic
 from cadence_fx.runtime.census import Census
 from cadence_fx.runtime.lanes import Entry, Lane, LanePool
+from cadence_fx.runtime.rng import draws_held
 
-__all__ = ["warm_up", "warmup_args", "written_buffers"]
+__all__ = ["LaneWarmup", "warm_lane", "warm_up", "warmup_args", "written_buffers"]
+
+log = logging.getLogger(__name__)
 
 
 def warm_up(lanes: LanePool, census: Census, example_args: Sequence[Any], *, region_index: Mapping[str, int],
-            state_rule: bool, stats: dict[str, Any]) -> dict[str, Any]:
-    """Capture every catalog class of every lane of ``lanes``; ``stats`` (the program's counters) is
-    left as found. Returns the warm-up seconds and per-class reports."""
+            state_rule: bool, stats: dict[str, Any], only: Sequence[Lane] | None = None) -> dict[str, Any]:
+    """Capture every catalog class of every lane of ``lanes`` (or of the lanes ``only``); ``stats`` (the
+    program's counters) is left as found. Returns the warm-up seconds and per-class reports."""
     t0 = time.perf_counter()
     kept = {k: v for k, v in stats.items() if isinstance(v, int)}
-    bar = Progress("cadence_fx capture", sum(len(lane.catalog) for lane in lanes.lanes))
-    for lane in lanes.lanes:
-        with lanes.take(lane.index), lane.state.preserved(written_buffers(census, lane)) as restored, \
-                lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
-                lane.on_stream(), torch.no_grad():
-            # the largest classes first: the lane's engines stage into one arena, which then
-            # never has to grow for a later class (a grown arena keeps the old one alive)
-            for key, entry in sorted(lane.catalog.items(), key=lambda kv: -_input_bytes(kv[0])):
-                flat = warmup_args(lane, key, entry, example_args, region_index=region_index, state_rule=state_rule)
+    chosen = list(lanes.lanes if only is None else only)
+    bar = Progress("cadence_fx capture", sum(len(lane.catalog) for lane in chosen))
+    for lane in chosen:
+        warm_lane(lanes, lane, example_args, census=census, region_index=region_index, state_rule=state_rule, bar=bar)
+    bar.close()
+    stats.update(kept)
+    return {"seconds": time.perf_counter() - t0,
+            "classes": {name: dict(eng.classes) for name, eng in census.runners().items()}}
+
+
+def warm_lane(lanes: LanePool, lane: Lane, example_args: Sequence[Any], *, census: Census,
+              region_index: Mapping[str, int], state_rule: bool, bar: Progress | None = None,
+              beside: bool = False) -> None:
+    """Capture every catalog class of ``lane``, leaving its state as found. ``beside``: other threads
+    are serving on other lanes meanwhile; each class then runs with every draw of the process held
+    (:func:`~cadence_fx.runtime.rng.draws_held`: a capture rewinds the default generators, which a
+    session's call may have its streams installed in), and the lane's work is finished on the device
+    before this returns (its state is put back on this thread's stream, which no later call of the
+    lane waits for)."""
+    with lanes.take(lane.index), lane.state.preserved(written_buffers(census, lane)) as restored, \
+            lane.runners.traffic_counters_paused(), lane.runners.gate.open(restored), \
+            lane.on_stream(), torch.no_grad():
+        # the largest classes first: the lane's engines stage into one arena, which then
+        # never has to grow for a later class (a grown arena keeps the old one alive)
+        for key, entry in sorted(lane.catalog.items(), key=lambda kv: -_input_bytes(kv[0])):
+            flat = warmup_args(lane, key, entry, example_args, region_index=region_index, state_rule=state_rule)
+            with draws_held() if beside else nullcontext():
                 if state_rule:
                     for name, site in entry.sites.items():
                         i = region_index[name]
                         flat[i] = lane.state.adopt(name, flat[i], site)
                 entry.gm(*flat)
+            if bar is not None:
                 bar.advance(note=f"lane {lane.index}")
-        if lane.stream is not None:
-            torch.cuda.current_stream(lane.stream.device).wait_stream(lane.stream)
-    bar.close()
-    stats.update(kept)
-    return {"seconds": time.perf_counter() - t0,
-            "classes": {name: dict(eng.classes) for name, eng in census.runners().items()}}
+    if lane.stream is not None:
+        torch.cuda.current_stream(lane.stream.device).wait_stream(lane.stream)
+    if beside and lane.stream is not None:
+        torch.cuda.current_stream(lane.stream.device).synchronize()
+
+
+class LaneWarmup:
+    """Lanes captured on a background thread while the first ones serve (:meth:`OptimizedProgram.warmup_in_background`).
+
+    The lanes after the first ``first`` are held offline (no session call gets them), captured one by one
+    beside traffic (:func:`~cadence_fx.runtime.backends.beside_traffic`), and each is brought online once
+    its classes are captured and its state is back. A lane whose warm-up raises stays offline; the
+    error is kept (:attr:`error`) and raised by :meth:`wait`, and the lanes already online keep serving.
+    """
+
+    def __init__(self, lanes: LanePool, census: Census, example_args: Sequence[Any], *, first: int,
+                 region_index: Mapping[str, int], state_rule: bool, stats: dict[str, Any]) -> None:
+        if not 1 <= first <= len(lanes.lanes):
+            raise ValueError(f"first must be in 1..{len(lanes.lanes)} (the program's lanes), got {first}")
+        self._lanes, self._census, self._example = lanes, census, tuple(example_args)
+        self._region_index, self._state_rule = region_index, state_rule
+        self._pending = list(lanes.lanes[first:])
+        self.error: BaseException | None = None
+        self.lane_seconds: dict[int, float] = {}
+        self._done = threading.Event()
+        t0 = time.perf_counter()
+        lanes.hold_offline(ln.index for ln in self._pending)
+        self.report = warm_up(lanes, census, self._example, stats=stats, only=lanes.lanes[:first],
+                              region_index=region_index, state_rule=state_rule)
+        self.first_seconds = time.perf_counter() - t0
+        self.seconds: float | None = None  # from the start to every lane online (None until then)
+        self.started = t0  # time.perf_counter() at the start
+        if not self._pending:
+            self.seconds = self.first_seconds
+            self._done.set()
+            return
+        self._thread = threading.Thread(target=self._run, name="cadence_fx-lane-warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        device = self._pending[0].stream.device if self._pending[0].stream is not None else None
+        try:
+            with beside_traffic(), torch.cuda.stream(torch.cuda.Stream(device)) if device is not None \
+                    else nullcontext():
+                for lane in self._pending:
+                    t = time.perf_counter()
+                    warm_lane(self._lanes, lane, self._example, census=self._census, region_index=self._region_index,
+                              state_rule=self._state_rule, beside=True)
+                    self.lane_seconds[lane.index] = time.perf_counter() - t
+                    self._lanes.bring_online(lane.index)
+                    log.info("lane %d online after %.2f s of capture beside traffic", lane.index,
+                             self.lane_seconds[lane.index])
+            self.seconds = time.perf_counter() - self.started
+        except BaseException as exc:  # the lanes online keep serving; the error is the caller's to see
+            self.error = exc
+            log.exception("warm-up beside traffic failed; lanes %s stay offline",
+                          [ln.index for ln in self._pending if ln.index not in self.lane_seconds])
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def online(self) -> int:
+        """Lanes serving now."""
+        return self._lanes.online()
+
+    def wait(self, timeout: float | None = None) -> "LaneWarmup":
+        """Block until every lane is online. Raises :class:`TimeoutError` after ``timeout`` seconds, and
+        :class:`RuntimeError` (from the warm-up's error) when a lane's capture failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"lanes still capturing after {timeout} s ({self.online()} of "
+                               f"{len(self._lanes.lanes)} online)")
+        if self.error is not None:
+            raise RuntimeError(f"warm-up beside traffic failed ({self.online()} of {len(self._lanes.lanes)} "
+                               f"lanes online): {self.error!r}") from self.error
+        return self
 
 
 def written_buffers(census: Census, lane: Lane) -> list[torch.Tensor]:

@@ -40,12 +40,14 @@ import torch
 from cadence_fx.artifact import load
 from cadence_fx.determinism import sha256_tensors
 from cadence_fx.runtime.sessions import Session, Snapshot
-from cadence_fx.serve.calibration import Calibration, given_capacity, measure_capacity, percentile
+from cadence_fx.runtime.warmup import LaneWarmup
+from cadence_fx.serve.calibration import Calibration, percentile
 from cadence_fx.serve.conversation import (AdmissionRefused, ConversationClosed, ConversationExists,
                                            ConversationState, Fenced, StepResult, UnknownConversation,
                                            sequence_error)
 from cadence_fx.serve import packing, wire
 from cadence_fx.serve.handoff import device_identity
+from cadence_fx.serve.readiness import Readiness
 from cadence_fx.serve.transfer import Transfers
 from cadence_fx.serve.layout import StepLayout
 from cadence_fx.serve.sharing import artifact_file, share_artifact
@@ -65,7 +67,11 @@ class WorkerConfig:
     (the cadence benchmark's) or ``None`` to calibrate at start against ``deadline_s`` (the chunk
     period) up to ``calibrate_max`` conversations. ``example``/``prompt``: one chunk's inputs and an
     initial state for warm-up and calibration (default: zeros of the first class's shapes).
-    ``threads``: torch's intra-op threads (CPU workers; ``None`` leaves Ray's setting)."""
+    ``threads``: torch's intra-op threads (CPU workers; ``None`` leaves Ray's setting).
+    ``serve_from_lanes``: the worker is ready once this many lanes are captured; the others capture on a
+    background thread beside traffic and join one by one, and the capacity admitted grows with them
+    (``capacity x online // lanes``). It needs ``capacity`` given: a worker still capturing cannot
+    measure its own. ``None``: every lane is captured before the worker is ready."""
 
     artifact: Any  # a path, or an object ref of the file's bytes (share_artifact)
     sha256: str | None = None
@@ -81,6 +87,7 @@ class WorkerConfig:
     prompt: tuple[torch.Tensor, ...] | None = None
     check_weights: bool = True
     memory_margin: float = 0.8  # of the device's free memory, what calibration lets sessions take
+    serve_from_lanes: int | None = None  # serve once this many lanes are captured; the rest capture beside traffic
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,10 @@ class WorkerStatus:
     chunk_p99_ms: float
     identity: str | None = None  # node/GPU-UUID: workers naming the same one hand conversations off on the device
     load_split: Mapping[str, float] = field(default_factory=dict)  # where cf.load spent load_s (its load_report)
+    lanes_online: int = 0  # lanes captured and serving now (``serve_from_lanes``: the rest still capturing)
+    capacity_full: int = 0  # the capacity once every lane is online (``capacity`` is what is admitted now)
+    lanes_ready_s: float | None = None  # construction to every lane captured (None while lanes capture)
+    warmup_error: str | None = None  # a capture beside traffic that failed: its lanes stay offline
 
 
 @dataclass
@@ -122,11 +133,17 @@ class _Conversation:
     routed: bool = False  # its last chunk came from a router (with an epoch), not through the controller
 
 
-class ConversationWorker(Transfers):
+class ConversationWorker(Readiness, Transfers):
     """Many conversations on one program loaded from an artifact (see the module docstring)."""
 
     def __init__(self, config: WorkerConfig, name: str = "worker") -> None:
         t0 = time.perf_counter()
+        if config.serve_from_lanes is not None:
+            if not 1 <= config.serve_from_lanes:
+                raise ValueError(f"serve_from_lanes must be >= 1, got {config.serve_from_lanes}")
+            if config.serve_from_lanes < config.lanes and config.capacity is None:
+                raise ValueError("serve_from_lanes below lanes needs capacity given (the cadence benchmark's N): "
+                                 "a worker whose lanes are still capturing cannot measure its own")
         wire.install()  # host tensors cross processes as numpy arrays (torch's pickle costs ~0.25 ms each)
         self.config, self.name = config, name
         if config.threads is not None:
@@ -140,7 +157,13 @@ class ConversationWorker(Transfers):
         self.device = next(iter(self.prog.region_buffers.values())).device
         zero_chunk, self._zero_state = self.layout.zeros(self.prog, self.device)
         self._example = [self._to_device(x) for x in config.example] if config.example is not None else zero_chunk
-        self.prog.warmup(*self.layout.call_args(self._example, self._zero_state))
+        warm_args = self.layout.call_args(self._example, self._zero_state)
+        first = config.serve_from_lanes
+        if first is not None and first < len(self.prog.lanes.lanes):
+            self._warming: LaneWarmup | None = self.prog.warmup_in_background(*warm_args, first=first)
+        else:
+            self._warming = None
+            self.prog.warmup(*warm_args)
         if self.device.type == "cuda":  # the staging of a conversation's export, pinned once (after the captures)
             packing.reserve_pinned(sum(rp.session_bytes for rp in self.prog.plan.regions)
                                    + packing.ALIGN * len(self.prog.plan.regions))
@@ -156,8 +179,8 @@ class ConversationWorker(Transfers):
         self._chunk_ms: collections.deque[float] = collections.deque(maxlen=2048)
         self._chunks = 0
         self.calibration = self._calibrate()
-        self.capacity = self.calibration.capacity
         t_ready = time.perf_counter()
+        self._t0 = t0
         self._times = {"ready_s": t_ready - t0, "load_s": t_load - t0, "warmup_s": t_warm - t_load,
                        "calibrate_s": t_ready - t_warm}
         log.info("worker %s ready in %.2f s on %s: %s", name, t_ready - t0, self.device, self.calibration.describe())
@@ -248,7 +271,9 @@ class ConversationWorker(Transfers):
                             self.capacity, self.calibration, convs, load, busy, self._times["ready_s"],
                             self._times["load_s"], self._times["warmup_s"], self._times["calibrate_s"], chunks,
                             percentile(recent, 50), percentile(recent, 99), identity=self.identity,
-                            load_split={k: float(v) for k, v in getattr(self.prog, "load_report", {}).items()})
+                            load_split={k: float(v) for k, v in getattr(self.prog, "load_report", {}).items()},
+                            lanes_online=self.prog.lanes.online(), capacity_full=self.calibration.capacity,
+                            lanes_ready_s=self._lanes_ready_s(), warmup_error=self._warmup_error())
 
     def example(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """What a chunk carries (by input name, in order) and an initial state (by region), on the host:
@@ -278,39 +303,6 @@ class ConversationWorker(Transfers):
             return list(self._convs)
 
     # ------------------------------------------------------------------ inside
-    def _calibrate(self) -> Calibration:
-        cfg = self.config
-        if cfg.capacity is not None:
-            return given_capacity(cfg.capacity, cfg.deadline_s)
-        per = sum(rp.session_bytes for rp in self.prog.plan.regions)
-        memory = None
-        if self.device.type == "cuda" and per > 0:
-            memory = int(torch.cuda.mem_get_info(self.device)[0] * cfg.memory_margin // per)
-        count = [0]
-
-        def new_conversation() -> tuple[Any, Any]:
-            count[0] += 1
-            cid = f"__calibration-{count[0]}"
-            self.open(cid, seed=count[0], prompt=cfg.prompt, force=True)
-            seq = [0]
-
-            def run() -> None:
-                self.step(cid, seq[0], self._example)
-                seq[0] += 1
-
-            def close() -> None:
-                self.close(cid)
-                with self._lock:
-                    self._closed.pop(cid, None)
-            return run, close
-
-        cal = measure_capacity(new_conversation, lanes=len(self.prog.lanes.lanes), deadline_s=cfg.deadline_s,
-                               max_n=cfg.calibrate_max, rounds=cfg.calibrate_rounds, memory_bound=memory)
-        with self._lock:  # calibration traffic is not traffic
-            self._chunk_ms.clear()
-            self._chunks = 0
-        return cal
-
     def _admit(self, conv_id: str, *, replace: bool, force: bool) -> None:
         with self._lock:
             if conv_id in self._convs:
