@@ -200,7 +200,19 @@ def test_each_session_replays_its_own_device_random_stream_concurrently(mismarke
           f"solo run (torch.manual_seed(seed)); counters {c}")
 
 
-def test_lanes_captured_beside_traffic_replay_every_session_exactly():
+def test_cuda_lanes_are_captured_before_traffic_unless_asked():
+    """Fail closed: beside traffic is not proven exact on the GPU, so warmup_in_background captures every
+    CUDA lane before it returns (and says so) unless CADENCE_FX_CAPTURE_BESIDE_TRAFFIC=1."""
+    pin_envelope()
+    _eps, prog = _noisy(depth=2, lanes=3)
+    warming = prog.warmup_in_background(first=1)
+    assert not warming.beside and warming.done and prog.lanes.online() == 3
+    assert prog.counters()["captures"] == 3
+
+
+@pytest.mark.xfail(reason="session 20 on the H200: sessions streamed beside the capture gave other bytes than "
+                          "their solo runs; cause not found (the one-lane control below did not run)", strict=False)
+def test_lanes_captured_beside_traffic_replay_every_session_exactly(monkeypatch):
     """warmup_in_background: lane 0 captured first, lanes 1-3 captured on a background thread (thread_local
     capture mode, no device-wide synchronize, every draw held around each class) while eight seeded sessions
     that draw stream from eight threads. Every session equals its solo run; the late lanes then serve, each
@@ -229,13 +241,15 @@ def test_lanes_captured_beside_traffic_replay_every_session_exactly():
             t.join()
         return got
 
+    monkeypatch.setenv("CADENCE_FX_CAPTURE_BESIDE_TRAFFIC", "1")
     warming = prog.warmup_in_background(first=1)
+    assert warming.beside
     online_at_start = prog.lanes.online()
     during = streams(range(8))
     online_after_traffic = prog.lanes.online()
     warming.wait(120)
     after = streams(range(8, 16))
-    assert during == {s: want[s] for s in range(8)}
+    assert during == {s: want[s] for s in range(8)}, sorted(s for s in range(8) if during.get(s) != want[s])
     assert after == {s: want[s] for s in range(8, 16)}
     c = prog.counters()
     assert c["eager"] == 0 and c["captures"] == 4, c
@@ -244,3 +258,30 @@ def test_lanes_captured_beside_traffic_replay_every_session_exactly():
     print(f"\n[sessions-cuda] beside traffic: {online_at_start} lane(s) online at the start, {online_after_traffic} "
           f"after 8 sessions streamed; lanes ready in {warming.seconds:.2f} s ({warming.lane_seconds}); "
           f"16 sessions equal their solo runs; counters {c}")
+
+
+def test_sessions_from_many_threads_on_one_lane_that_draws_are_exact():
+    """The control of the test above: eight seeded drawing sessions from eight threads, all on lane 0 of a
+    one-lane program captured before traffic."""
+    pin_envelope()
+    eps, prog = _noisy(depth=48, lanes=1)
+    prog.warmup()
+    xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(24)]
+    want = {s: _noisy_solo(eps, xs, s) for s in range(8)}
+    got: dict[int, str] = {}
+
+    def run(s):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            sess, c, out = prog.session(seed=s), torch.zeros(1, 16, 64, device="cuda"), []
+            for x in xs:
+                y, c = sess(x, c)
+                out.append(y.clone())
+            torch.cuda.current_stream().synchronize()
+            got[s] = sha256(out)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want, sorted(s for s in want if got.get(s) != want[s])
