@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -158,6 +159,28 @@ def _noisy_solo(eps, xs, seed) -> str:
     return sha256(out)
 
 
+def _noisy_streams(prog, xs, seeds, *, own_streams: bool = True) -> dict[int, str]:
+    """One seeded session per seed, each streaming ``xs`` from a thread of its own (on a stream of its own
+    with ``own_streams``): each session's SHA-256."""
+    got: dict[int, str] = {}
+
+    def run(s):
+        with torch.cuda.stream(torch.cuda.Stream()) if own_streams else contextlib.nullcontext():
+            sess, c, out = prog.session(seed=s), torch.zeros(1, 16, 64, device="cuda"), []
+            for x in xs:
+                y, c = sess(x, c)
+                out.append(y.clone())
+            torch.cuda.current_stream().synchronize()
+            got[s] = sha256(out)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
 @pytest.mark.parametrize("mismarked", [False, True], ids=["marked", "draw-found-at-capture"])
 def test_each_session_replays_its_own_device_random_stream_concurrently(mismarked, monkeypatch, caplog):
     """Four seeded sessions on two lanes from four threads: each equals its solo run. The lanes' graphs
@@ -175,22 +198,7 @@ def test_each_session_replays_its_own_device_random_stream_concurrently(mismarke
     prog.warmup()
     xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(10)]
     want = {s: _noisy_solo(eps, xs, s) for s in range(4)}
-    got: dict[int, str] = {}
-
-    def run(s):
-        sess, c, out = prog.session(seed=s), torch.zeros(1, 16, 64, device="cuda"), []
-        for x in xs:
-            y, c = sess(x, c)
-            out.append(y.clone())
-        torch.cuda.current_stream().synchronize()
-        got[s] = sha256(out)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert got == want
+    assert _noisy_streams(prog, xs, range(4), own_streams=False) == want
     c = prog.counters()
     assert c["replays"] == 40 and c["eager"] == 0, c
     if rng.GraphGenerator.supported():
@@ -222,33 +230,14 @@ def test_lanes_captured_beside_traffic_replay_every_session_exactly(monkeypatch)
     xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(24)]
     want = {s: _noisy_solo(eps, xs, s) for s in range(16)}
 
-    def streams(seeds):
-        got: dict[int, str] = {}
-
-        def run(s):
-            with torch.cuda.stream(torch.cuda.Stream()):
-                sess, c, out = prog.session(seed=s), torch.zeros(1, 16, 64, device="cuda"), []
-                for x in xs:
-                    y, c = sess(x, c)
-                    out.append(y.clone())
-                torch.cuda.current_stream().synchronize()
-                got[s] = sha256(out)
-
-        threads = [threading.Thread(target=run, args=(s,)) for s in seeds]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return got
-
     monkeypatch.setenv("CADENCE_FX_CAPTURE_BESIDE_TRAFFIC", "1")
     warming = prog.warmup_in_background(first=1)
     assert warming.beside
     online_at_start = prog.lanes.online()
-    during = streams(range(8))
+    during = _noisy_streams(prog, xs, range(8))
     online_after_traffic = prog.lanes.online()
     warming.wait(120)
-    after = streams(range(8, 16))
+    after = _noisy_streams(prog, xs, range(8, 16))
     assert during == {s: want[s] for s in range(8)}, sorted(s for s in range(8) if during.get(s) != want[s])
     assert after == {s: want[s] for s in range(8, 16)}
     c = prog.counters()
@@ -268,20 +257,5 @@ def test_sessions_from_many_threads_on_one_lane_that_draws_are_exact():
     prog.warmup()
     xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(24)]
     want = {s: _noisy_solo(eps, xs, s) for s in range(8)}
-    got: dict[int, str] = {}
-
-    def run(s):
-        with torch.cuda.stream(torch.cuda.Stream()):
-            sess, c, out = prog.session(seed=s), torch.zeros(1, 16, 64, device="cuda"), []
-            for x in xs:
-                y, c = sess(x, c)
-                out.append(y.clone())
-            torch.cuda.current_stream().synchronize()
-            got[s] = sha256(out)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = _noisy_streams(prog, xs, range(8))
     assert got == want, sorted(s for s in want if got.get(s) != want[s])
