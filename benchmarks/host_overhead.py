@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--without", default=None, help="a pass to drop from the pipeline (e.g. bind_constants)")
+    ap.add_argument("--session", action="store_true",
+                    help="call through a session on a lane after the first (the serving path) instead of the "
+                         "program's own calls (the default session, lane 0)")
     ap.add_argument("--profile", type=int, default=15, help="profile lines to print (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -58,21 +61,23 @@ def main() -> None:
     step, x = steps.lm, steps.examples()["lm"]
     contract = mo.moshi_contract(step)
     prog = cf.optimize(export_step_catalog(step, step.initial_state(), [{"x": x}], contract), contract,
-                       replay=NoReplay(), state=True)
+                       replay=NoReplay(), state=True, lanes=2 if args.session else 1)
     prog.warmup(x)
     st = step.initial_state()
+    call = prog.session("host", seed=0) if args.session else prog
 
     def calls(n: int) -> None:
         nonlocal st
         for _ in range(n):
-            st = step.carry(prog(*step.next_args({"x": x}, st)))
+            st = step.carry(call(*step.next_args({"x": x}, st)))
 
     calls(3)
     t0 = time.perf_counter()
     calls(args.calls)
     per_call = (time.perf_counter() - t0) / args.calls
     counters = prog.counters()
-    print(f"{args.layers} layers, {len(contract.regions)} regions, pipeline without {args.without or 'nothing'}: "
+    print(f"{args.layers} layers, {len(contract.regions)} regions, {'a session' if args.session else 'default calls'}, "
+          f"pipeline without {args.without or 'nothing'}: "
           f"{per_call * 1e6:.0f} us per call (replays {counters['replays']}, eager {counters['eager']})")
     if args.profile:
         prof = cProfile.Profile()
