@@ -34,7 +34,7 @@ def pools(monkeypatch):
     _PoolStream.counters = {}
     monkeypatch.setattr(torch.cuda, "Stream", _PoolStream)
     monkeypatch.setattr(streams, "_HELD", {})
-    monkeypatch.setattr(streams, "_SHARED_LOCKS", {})
+    monkeypatch.setattr(streams, "_LOCKS", {})
 
 
 def test_every_holder_gets_a_stream_of_its_own_until_the_pools_run_out(pools, caplog):
@@ -42,15 +42,16 @@ def test_every_holder_gets_a_stream_of_its_own_until_the_pools_run_out(pools, ca
     owners = [_Owner() for _ in range(128)]
     got = [streams.held_stream(dev, (-3, -2, 0, -1), o).cuda_stream for o in owners]
     assert len(set(got)) == 128  # four pools of 32, every handle once
-    assert all(streams.shared_lock(_stream(h)) is None for h in got)
+    assert not any(streams.shared(_stream(h)) for h in got)
+    locks = {id(streams.stream_lock(_stream(h))) for h in got}
+    assert len(locks) == 128  # a lock per stream: holders of different streams never wait on each other
     extra = _Owner()
     shared = streams.held_stream(dev, (-3, -2, 0, -1), extra)
     assert shared.cuda_stream in got and "is shared" in caplog.text
-    lock = streams.shared_lock(shared)
-    assert lock is not None  # its holders replay under one lock
+    assert streams.shared(shared)  # its holders replay under its one lock
     del extra
     gc.collect()
-    assert streams.shared_lock(shared) is None  # one holder again
+    assert not streams.shared(shared)  # one holder again
 
 
 def test_a_released_stream_is_handed_out_again(pools):

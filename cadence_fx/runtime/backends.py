@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from cadence_fx.analysis.branch_plan import plan_branches
 from cadence_fx.runtime.branch_run import BranchedRun
 from cadence_fx.runtime.rng import GraphGenerator, replaying_draws
-from cadence_fx.runtime.streams import StreamHandoff, held_stream, shared_lock
+from cadence_fx.runtime.streams import StreamHandoff, held_stream, stream_lock
 
 __all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend", "beside_traffic", "capturing_beside_traffic"]
 
@@ -75,6 +75,7 @@ class CudaGraphBackend:
         self._lock = threading.RLock()  # re-entrant: a replay inside a replay (a nested fake one) must not deadlock
         self._handoff = StreamHandoff()
         self._generator: Any = None  # this backend's GraphGenerator, made at its first capture
+        self._capture_lock: Any = None  # its capture stream's (streams.stream_lock), once it has one
 
     def generator(self) -> Any:
         """The generator state this backend's graphs are captured and replayed under (None where torch
@@ -122,6 +123,8 @@ class CudaGraphBackend:
             # a stream no other backend captures on: cuBLAS keeps one workspace per stream, baked into the
             # graphs captured there, and two backends' graphs sharing one would race when lanes replay at once
             self._streams[key] = held_stream(dev, CAPTURE_STREAM_PRIORITIES, self)
+            if role == "capture":
+                self._capture_lock = stream_lock(self._streams[key])
         return self._streams[key]
 
     def available(self) -> bool:
@@ -154,9 +157,7 @@ class CudaGraphBackend:
         Programs given one backend may therefore be called from several threads and streams: their
         replays are serialized, never interleaved. Lanes fork backends of their own and run in parallel.
         """
-        capture = self._streams.get(("capture", self.device.index))
-        shared = shared_lock(capture) if capture is not None else None
-        with shared if shared is not None else nullcontext(), self._lock, \
+        with self._capture_lock or nullcontext(), self._lock, \
                 self._handoff.held_on(torch.cuda.current_stream(self.device)):
             yield
 

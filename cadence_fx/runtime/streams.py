@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["StreamHandoff", "held_stream", "shared_lock"]
+__all__ = ["StreamHandoff", "held_stream", "shared", "stream_lock"]
 
 
 class StreamHandoff:
@@ -51,7 +51,7 @@ class StreamHandoff:
 # made 48 capture streams: decode lane k shared encode lane k's workspace, and concurrent sessions'
 # PCM differed).
 _HELD: dict[tuple[int, int], int] = {}
-_SHARED_LOCKS: dict[tuple[int, int], "threading.RLock"] = {}
+_LOCKS: dict[tuple[int, int], "threading.RLock"] = {}  # one per held stream: its holders' replays
 _REGISTRY_LOCK = threading.Lock()
 _POOL_SIZE = 32  # torch's streams per priority and device (c10/cuda/CUDAStream.cpp: kStreamsPerPool)
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 def held_stream(device: torch.device, priorities: tuple[int, ...], owner: object) -> torch.cuda.Stream:
     """A stream from PyTorch's pools that no other holder has, tried in the order of ``priorities``, held
     until ``owner`` is garbage collected. When every pooled stream of those priorities is held, the least
-    held one is shared (logged); :func:`shared_lock` then names a lock its holders must replay under."""
+    held one is shared (logged). Every holder of a stream replays under its :func:`stream_lock`
+    (uncontended unless the stream is shared)."""
     with _REGISTRY_LOCK:
         seen: dict[tuple[int, int], torch.cuda.Stream] = {}
         for priority in priorities:
@@ -78,19 +79,25 @@ def held_stream(device: torch.device, priorities: tuple[int, ...], owner: object
         key = min(seen, key=lambda k: _HELD.get(k, 0))
         log.warning("every pooled CUDA stream of priorities %s on device %s is held: one is shared (its holders' "
                     "replays are serialized, since libraries keep one workspace per stream)", priorities, device)
-        _SHARED_LOCKS.setdefault(key, threading.RLock())
         return _hold(key, seen[key], owner)
 
 
-def shared_lock(stream: torch.cuda.Stream) -> "threading.RLock | None":
-    """The lock every holder of ``stream`` must hold around a replay, when the stream is shared."""
-    key = (stream.device.index, stream.cuda_stream)
+def stream_lock(stream: torch.cuda.Stream) -> "threading.RLock":
+    """The lock every holder of held ``stream`` replays under: the graphs captured on one stream share a
+    library workspace, so two holders of a shared stream must not replay at once."""
     with _REGISTRY_LOCK:
-        return _SHARED_LOCKS.get(key) if _HELD.get(key, 0) > 1 else None
+        return _LOCKS.setdefault((stream.device.index, stream.cuda_stream), threading.RLock())
+
+
+def shared(stream: torch.cuda.Stream) -> bool:
+    """Whether more than one owner holds ``stream``."""
+    with _REGISTRY_LOCK:
+        return _HELD.get((stream.device.index, stream.cuda_stream), 0) > 1
 
 
 def _hold(key: tuple[int, int], stream: torch.cuda.Stream, owner: object) -> torch.cuda.Stream:
     _HELD[key] = _HELD.get(key, 0) + 1
+    _LOCKS.setdefault(key, threading.RLock())
     weakref.finalize(owner, _release, key)
     return stream
 
@@ -102,4 +109,4 @@ def _release(key: tuple[int, int]) -> None:
             _HELD[key] = n
         else:
             _HELD.pop(key, None)
-            _SHARED_LOCKS.pop(key, None)
+            _LOCKS.pop(key, None)
