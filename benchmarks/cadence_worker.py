@@ -216,6 +216,9 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                     print(f"[N={n}] {done[0]}/{total} chunks", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers or len(prog.lanes.lanes))]
+    from cadence_fx.runtime.rng import draw_lock_stats
+
+    draw_lock_stats(reset=True)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for t in threads:
         t.start()
@@ -225,7 +228,10 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     host = dict(cpu_per_wall=(time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0),
                 threads_on_lane_streams=shared[0],
                 call_p50_ms=harness.percentile(host_ms, 50), call_p99_ms=harness.percentile(host_ms, 99),
-                timeline=timeline(records, period))
+                timeline=timeline(records, period),
+                # the process-wide lock of every draw (sessions' streams, graph generator swaps): its waits
+                # and holds, against the row's wall time
+                draw_lock=draw_lock_stats())
     reply = dict(gpu=args.worker, records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
                  abandoned=total - done[0],
                  peak_mib=harness.peak_mib(), late_start_s=late_start, counters=prog.counters(),

@@ -176,3 +176,18 @@ def test_a_worker_serving_from_its_first_lane_admits_in_proportion_and_grows(art
     plain = ConversationWorker(WorkerConfig(path, capacity=8, **base))
     st = plain.status()
     assert (st.lanes_online, st.capacity) == (4, 8) and st.lanes_ready_s == st.ready_s
+
+
+def test_the_draws_lock_counts_its_outermost_holds():
+    from cadence_fx.runtime import rng
+
+    rng.draw_lock_stats(reset=True)
+    with rng.draws_held():
+        with rng.draws_held():  # re-entered by its holder (a capture inside a class held whole): one hold
+            pass
+    session = rng.SessionRng(rng.RngStates.seeded(3))
+    with rng.session_rng(session), rng.drawing():
+        torch.rand(2)
+    got = rng.draw_lock_stats()
+    assert got["acquired"] == 2 and got["held_s"] >= 0 and got["wait_s"] >= 0
+    assert rng.draw_lock_stats(reset=True)["acquired"] == 2 and rng.draw_lock_stats()["acquired"] == 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -33,11 +34,55 @@ try:
 except ImportError:  # numpy is optional; its global RNG is then not watched
     _np = None
 
-__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "drawing", "draws_held", "host_rng", "host_rng_equal",
+__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "draw_lock_stats", "drawing", "draws_held", "host_rng", "host_rng_equal",
            "replaying_draws", "set_host_rng", "session_rng"]
 
 _lock = threading.RLock()
 _local = threading.local()
+
+
+class _LockStats:
+    """Time threads waited for and held the draws' lock (outermost holds only): the lock is process-wide,
+    so a hold that blocks (a launch into a full queue) stalls every lane's draws."""
+
+    def __init__(self) -> None:
+        self.acquired = 0
+        self.wait_s = 0.0
+        self.held_s = 0.0
+        self.max_held_s = 0.0
+
+
+_stats = _LockStats()
+
+
+@contextmanager
+def _held() -> Iterator[None]:
+    t0 = time.perf_counter()
+    with _lock:
+        outer = getattr(_local, "depth", 0) == 0
+        _local.depth = getattr(_local, "depth", 0) + 1
+        t1 = time.perf_counter()
+        try:
+            yield
+        finally:
+            _local.depth -= 1
+            if outer:
+                held = time.perf_counter() - t1
+                _stats.acquired += 1
+                _stats.wait_s += t1 - t0
+                _stats.held_s += held
+                _stats.max_held_s = max(_stats.max_held_s, held)
+
+
+def draw_lock_stats(reset: bool = False) -> dict[str, float]:
+    """How often the draws' lock was taken (outermost), the seconds threads waited for it and held it,
+    and the longest hold, since the last reset: what a benchmark reports beside its latencies."""
+    with _lock:
+        out = {"acquired": _stats.acquired, "wait_s": _stats.wait_s, "held_s": _stats.held_s,
+               "max_held_ms": _stats.max_held_s * 1e3}
+        if reset:
+            _stats.__init__()
+    return out
 
 
 @dataclass
@@ -96,7 +141,7 @@ def drawing() -> Iterator[None]:
     if rng is None:
         yield
         return
-    with _lock:
+    with _held():
         outside = RngStates.current()
         rng.states.install()
         try:
@@ -112,7 +157,7 @@ def draws_held() -> Iterator[None]:
     generators and no backend swaps its generator state in. A capture beside traffic reads the default
     generators, runs the class eagerly and rewinds them (:meth:`ExactShapeReplay.capture`); a session's
     streams installed meanwhile would be read, advanced and rewound with them."""
-    with _lock:
+    with _held():
         yield
 
 
@@ -136,7 +181,7 @@ class GraphGenerator:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        with _lock:
+        with _held():
             outer = self._gen.graphsafe_get_state()
             self._state.set_state(self._gen.get_state())
             self._gen.graphsafe_set_state(self._state)
