@@ -181,8 +181,9 @@ def _noisy_streams(prog, xs, seeds, *, own_streams: bool = True) -> dict[int, st
     return got
 
 
+@pytest.mark.parametrize("lockless", [False, True], ids=["locked", "lockless"])
 @pytest.mark.parametrize("mismarked", [False, True], ids=["marked", "draw-found-at-capture"])
-def test_each_session_replays_its_own_device_random_stream_concurrently(mismarked, monkeypatch, caplog):
+def test_each_session_replays_its_own_device_random_stream_concurrently(mismarked, lockless, monkeypatch, caplog):
     """Four seeded sessions on two lanes from four threads: each equals its solo run. The lanes' graphs
     that draw are captured and replayed under each lane's own generator state, so their replays are not
     ordered across lanes. ``draw-found-at-capture``: the partition is not marked as drawing (as if an op
@@ -192,18 +193,24 @@ def test_each_session_replays_its_own_device_random_stream_concurrently(mismarke
 
     if mismarked:
         monkeypatch.setattr(mark_randomness, "draws", lambda n: False)
+    # lockless: a replay inside a session loads the session's stream into the lane's state itself
+    # (CADENCE_FX_LOCKLESS_DRAW_REPLAY), taking the draws' lock only for eager fallbacks
+    monkeypatch.setattr(rng, "LOCKLESS_DRAW_REPLAY", lockless)
     rng._last_replay = None
     pin_envelope()
     eps, prog = _noisy(depth=16, lanes=2)
     prog.warmup()
     xs = [torch.randn(1, 4, 64, device="cuda") for _ in range(10)]
     want = {s: _noisy_solo(eps, xs, s) for s in range(4)}
+    rng.draw_lock_stats(reset=True)
     assert _noisy_streams(prog, xs, range(4), own_streams=False) == want
     c = prog.counters()
     assert c["replays"] == 40 and c["eager"] == 0, c
     if rng.GraphGenerator.supported():
         assert rng._last_replay is None, "replays that draw were ordered across lanes"
     assert any("no op in it is a draw" in r.getMessage() for r in caplog.records) == mismarked
+    if lockless and not mismarked:  # (a mismarked partition's first calls ran before it was known to draw)
+        assert rng.draw_lock_stats()["acquired"] == 0, rng.draw_lock_stats()
     print(f"\n[sessions-cuda] 4 seeded sessions, device RNG replayed on 2 lanes from 4 threads: each equals its "
           f"solo run (torch.manual_seed(seed)); counters {c}")
 

@@ -19,7 +19,8 @@ from torch.fx import GraphModule
 
 from cadence_fx.analysis.branch_plan import plan_branches
 from cadence_fx.runtime.branch_run import BranchedRun
-from cadence_fx.runtime.rng import GraphGenerator, replaying_draws
+from cadence_fx.runtime import rng as rng_mod
+from cadence_fx.runtime.rng import GraphGenerator, active_session_rng, replaying_draws
 from cadence_fx.runtime.streams import StreamHandoff, held_stream, stream_lock
 
 __all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend", "beside_traffic", "capturing_beside_traffic"]
@@ -88,7 +89,10 @@ class CudaGraphBackend:
         """Around launching the replay of a graph that draws (inside the calling session's
         :func:`~cadence_fx.runtime.rng.drawing`, where there is one)."""
         gen = self.generator()
-        return replaying_draws() if gen is None else gen.installed()
+        if gen is None:
+            return replaying_draws()
+        session = active_session_rng() if rng_mod.LOCKLESS_DRAW_REPLAY else None
+        return gen.installed() if session is None else gen.replaying_for(session)
 
     @property
     def device(self) -> torch.device:

@@ -111,6 +111,9 @@ class ExactShapeReplay:
         # a backend without the method (a user's own) gives no guarantee beyond one caller at a time
         self._exclusive: Callable[[], AbstractContextManager[object]] = getattr(self.backend, "exclusive", nullcontext)
         self._draws: Callable[[], AbstractContextManager[object]] = getattr(self.backend, "draws", replaying_draws)
+        # around an eager fallback: what the caller needs an eager run to draw under, when it did not
+        # already install it around the whole call (a drawing partition whose replays skip the lock)
+        self.eager_context: Callable[[], AbstractContextManager[object]] = nullcontext
         self._live = self.backend.available()
         self.pool = pool
         self.clone_outputs = clone_outputs
@@ -367,7 +370,8 @@ class ExactShapeReplay:
         self.counters.eager += 1
         self.counters.rejections[reason] += 1
         self._log_once(reason, key, "")
-        return self.fn(*args)
+        with self.eager_context():
+            return self.fn(*args)
 
     def _refuse(self, key: Signature | None, reason: str, *, permanent: bool = False,
                 error: str | None = None) -> ClassReport:

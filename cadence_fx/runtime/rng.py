@@ -20,6 +20,7 @@ torch lacks them, :func:`replaying_draws` orders those replays across lanes inst
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -34,11 +35,17 @@ try:
 except ImportError:  # numpy is optional; its global RNG is then not watched
     _np = None
 
-__all__ = ["GraphGenerator", "RngStates", "SessionRng", "draw_random", "draw_lock_stats", "drawing", "draws_held", "host_rng", "host_rng_equal",
+__all__ = ["LOCKLESS_DRAW_REPLAY", "GraphGenerator", "RngStates", "active_session_rng", "SessionRng", "draw_random", "draw_lock_stats", "drawing", "draws_held", "host_rng", "host_rng_equal",
            "replaying_draws", "set_host_rng", "session_rng"]
 
 _lock = threading.RLock()
 _local = threading.local()
+
+#: Replays of graphs that draw, inside a session, load the session's CUDA stream into the lane's own
+#: generator state directly, without the process-wide lock (``CADENCE_FX_LOCKLESS_DRAW_REPLAY=1``; off
+#: by default until measured exact on the GPU). The lane's graphs read only the lane's state, and the
+#: lane and the session are each held by one thread, so nothing else reads or writes what they touch.
+LOCKLESS_DRAW_REPLAY = os.environ.get("CADENCE_FX_LOCKLESS_DRAW_REPLAY", "") == "1"
 
 
 class _LockStats:
@@ -46,6 +53,9 @@ class _LockStats:
     so a hold that blocks (a launch into a full queue) stalls every lane's draws."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.acquired = 0
         self.wait_s = 0.0
         self.held_s = 0.0
@@ -81,7 +91,7 @@ def draw_lock_stats(reset: bool = False) -> dict[str, float]:
         out = {"acquired": _stats.acquired, "wait_s": _stats.wait_s, "held_s": _stats.held_s,
                "max_held_ms": _stats.max_held_s * 1e3}
         if reset:
-            _stats.__init__()
+            _stats.reset()
     return out
 
 
@@ -134,6 +144,11 @@ def session_rng(rng: SessionRng | None) -> Iterator[None]:
         _local.rng = prev
 
 
+def active_session_rng() -> "SessionRng | None":
+    """The calling thread's active session streams (:func:`session_rng`), or None."""
+    return getattr(_local, "rng", None)
+
+
 @contextmanager
 def drawing() -> Iterator[None]:
     """Around a random draw: install the active session's states, then save them back (no-op outside one)."""
@@ -173,7 +188,23 @@ class GraphGenerator:
 
     def __init__(self, device: torch.device) -> None:
         self._gen = torch.cuda.default_generators[device.index]  # a backend's device always names its index
+        self._index = device.index
         self._state = self._gen.clone_state()
+
+    @contextmanager
+    def replaying_for(self, rng: SessionRng) -> Iterator[None]:
+        """Around the replay of a graph captured under this state, for session ``rng`` (held by the
+        calling thread), without the process-wide lock: the session's stream on this device is loaded
+        into this state, and what the replay's prologue advanced it to is the session's afterwards (a
+        new states object, as every draw makes). The default generator is not touched."""
+        states = rng.states
+        if states.cuda is None:
+            raise RuntimeError("a session without CUDA generator states replays a CUDA graph that draws")
+        self._state.set_state(states.cuda[self._index])
+        yield
+        cuda = list(states.cuda)
+        cuda[self._index] = self._state.get_state()
+        rng.states = RngStates(states.cpu, cuda)
 
     @staticmethod
     def supported() -> bool:

@@ -22,7 +22,8 @@ from cadence_fx.annotations import RANDOM, replay_spec
 from cadence_fx.runtime.backends import ReplayBackend
 from cadence_fx.runtime.exact_replay import ExactShapeReplay, ProbeVerdict
 from cadence_fx.runtime.staging import StagingArena
-from cadence_fx.runtime.rng import draw_random, drawing
+from cadence_fx.runtime import rng as rng_mod
+from cadence_fx.runtime.rng import active_session_rng, draw_random, drawing
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,11 @@ class ReplayRunner(torch.nn.Module):
                                 "draw; its calls now run with the session's random streams", self.engine.name)
                     self.random = True
         if self.random:
+            if rng_mod.LOCKLESS_DRAW_REPLAY and active_session_rng() is not None:
+                # a replay loads the session's stream into the lane's generator state itself (no lock);
+                # only an eager fallback installs the session's streams in the default generators
+                self.engine.eager_context = drawing
+                return self.engine(*args)
             with drawing():  # the engine replays a graph that draws under its backend's generator state
                 return self.engine(*args)
         return self.engine(*args)
