@@ -105,9 +105,10 @@ def test_the_first_lane_serves_while_the_others_capture_and_every_stream_is_exac
     warming.wait(30)
     assert warming.error is None and prog.lanes.online() == 3 and sorted(warming.lane_seconds) == [1, 2]
     used.clear()
-    after = _concurrent(prog, model, [0, 1, 2, 3])
+    with prog.lanes.take(0):  # lane 0 held here: the calls can only go to the lanes captured late
+        after = _concurrent(prog, model, [0, 1, 2, 3])
     assert after == solo
-    assert set(used) - {0}, used  # the captured lanes serve now
+    assert used and set(used) <= {1, 2}, used  # the captured lanes serve now
 
 
 def test_a_lane_whose_capture_fails_stays_offline_and_the_others_serve(demo, monkeypatch, caplog):
