@@ -93,8 +93,9 @@ class Session:
             flat = self.program.flatten_inputs(args, kwargs, self._returned)
             sources: dict[str, torch.Tensor] = {}
             key, entry = self.program.lookup(flat)
+            asked: dict[int, set[int]] = {}  # each owner's last returned state, asked once for all regions
             for name, site in entry.sites.items():
-                sources[name] = resolve_source(name, flat[self.program.input_index(name)], site.region.input)
+                sources[name] = resolve_source(name, flat[self.program.input_index(name)], site.region.input, asked)
             rng_before = self.rng.states  # a draw replaces the states object, never changes it in place
             try:
                 with self.program.lanes.take(prefer_unoccupied=True) as lane:
