@@ -23,7 +23,8 @@ from cadence_fx.runtime import rng as rng_mod
 from cadence_fx.runtime.rng import GraphGenerator, active_session_rng, replaying_draws
 from cadence_fx.runtime.streams import StreamHandoff, held_stream, stream_lock
 
-__all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend", "beside_traffic", "capturing_beside_traffic"]
+__all__ = ["CAPTURE_STREAM_PRIORITIES", "CudaGraphBackend", "ReplayBackend", "beside_traffic",
+           "capturing_beside_traffic"]
 
 # the pools capture and branch streams come from, in order: the lower priorities first, which callers'
 # own streams (priority 0) and the lanes' (-1) take from least
@@ -247,8 +248,10 @@ def _recover_from_failed_capture(dev: torch.device, stream: torch.cuda.Stream, b
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
         empty = torch.cuda.CUDAGraph()
-        with torch.cuda.device(dev), _capturing(empty, None, torch.cuda.Stream(dev), beside) if beside \
-                else torch.cuda.graph(empty):
+        # beside traffic, on a stream no other thread uses (a pooled one may be a serving thread's, whose
+        # work the capture would then take in)
+        own = held_stream(dev, CAPTURE_STREAM_PRIORITIES, empty) if beside else None
+        with torch.cuda.device(dev), _capturing(empty, None, own, True) if own is not None else torch.cuda.graph(empty):
             pass
     torch.cuda.set_stream(stream)
     if beside:

@@ -35,8 +35,9 @@ try:
 except ImportError:  # numpy is optional; its global RNG is then not watched
     _np = None
 
-__all__ = ["LOCKLESS_DRAW_REPLAY", "GraphGenerator", "RngStates", "active_session_rng", "SessionRng", "draw_random", "draw_lock_stats", "drawing", "draws_held", "host_rng", "host_rng_equal",
-           "replaying_draws", "set_host_rng", "session_rng"]
+__all__ = ["LOCKLESS_DRAW_REPLAY", "GraphGenerator", "RngStates", "SessionRng", "active_session_rng", "draw_lock_stats",
+           "draw_random", "drawing", "draws_held", "host_rng", "host_rng_equal", "replaying_draws", "set_host_rng",
+           "session_rng"]
 
 _lock = threading.RLock()
 _local = threading.local()

@@ -20,12 +20,14 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from cadence_fx.progress import Progress
-from cadence_fx.runtime.backends import beside_traffic
+from cadence_fx.runtime.backends import CAPTURE_STREAM_PRIORITIES, beside_traffic
 from cadence_fx.runtime.census import Census
 from cadence_fx.runtime.lanes import Entry, Lane, LanePool
 from cadence_fx.runtime.rng import draws_held
+from cadence_fx.runtime.streams import held_stream
 
-__all__ = ["BESIDE_ON_CUDA_ENV", "LaneWarmup", "beside_traffic_on_cuda", "warm_lane", "warm_up", "warmup_args", "written_buffers"]
+__all__ = ["BESIDE_ON_CUDA_ENV", "LaneWarmup", "beside_traffic_on_cuda", "warm_lane", "warm_up", "warmup_args",
+           "written_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +134,10 @@ class LaneWarmup:
     def _run(self) -> None:
         device = self._pending[0].stream.device if self._pending[0].stream is not None else None
         try:
-            with beside_traffic(), torch.cuda.stream(torch.cuda.Stream(device)) if device is not None \
-                    else nullcontext():
+            # this thread's own stream, held: a pooled one may be a serving thread's, which the lane's
+            # restore copies would then hold up
+            with beside_traffic(), torch.cuda.stream(held_stream(device, CAPTURE_STREAM_PRIORITIES, self)) \
+                    if device is not None else nullcontext():
                 for lane in self._pending:
                     t = time.perf_counter()
                     warm_lane(self._lanes, lane, self._example, census=self._census, region_index=self._region_index,
