@@ -76,6 +76,10 @@ def main() -> None:
     ap.add_argument("--lane-sweep", type=int, default=0,
                     help="also stream script 0 for this many frames once per lane of each program, the program "
                          "pinned to that lane (the others held): which lanes' graphs give other bytes")
+    ap.add_argument("--profile", default="", help="N sessions at once (comma list) streamed under torch.profiler: "
+                    "which runtime calls block, busy, kernels at once")
+    ap.add_argument("--profile-frames", type=int, default=12, help="frames per session under the profiler")
+    ap.add_argument("--trace", default=None, help="a chrome trace of the first --profile run (gzip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = child_setup()
@@ -119,7 +123,7 @@ def main() -> None:
         streams["session"][s] = _frames(None, sess, audio[s], state0)
         sess.close()
 
-    def run_many(n_per_script: int, scripts: int) -> tuple[dict, float]:
+    def run_many(n_per_script: int, scripts: int, frames: int | None = None) -> tuple[dict, float]:
         got: dict[str, list[bytes]] = {}
         sessions = {f"{s}.{i}": conv.session(f"c{n_per_script}-{s}.{i}", seed=s)
                     for s in range(scripts) for i in range(n_per_script)}
@@ -127,7 +131,7 @@ def main() -> None:
         def one(name: str) -> None:
             s = int(name.split(".")[0])
             with torch.cuda.stream(torch.cuda.Stream()) if device == "cuda" else contextlib.nullcontext():
-                got[name] = _frames(None, sessions[name], audio[s], state0)
+                got[name] = _frames(None, sessions[name], audio[s][:frames], state0)
 
         threads = [threading.Thread(target=one, args=(n,)) for n in sessions]
         t = time.perf_counter()
@@ -153,6 +157,21 @@ def main() -> None:
         report["throughput"][n] = {"wall_s": wall, "frames_per_s": n * args.frames / wall,
                                    **{f"exact_vs_{r}": all(v == streams[r][0] for v in _got.values()) for r in refs}}
         print(f"N={n}: {n * args.frames / wall:.1f} frames/s ({wall:.2f} s)", file=sys.stderr, flush=True)
+    report["profile"] = {}
+    for i, n in enumerate(int(v) for v in args.profile.split(",") if v):
+        from torch.profiler import ProfilerActivity, profile
+        from benchmarks.profile_summary import print_summary, summarize
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            _got, wall = run_many(n, 1, args.profile_frames)
+        summary = summarize(prof, wall)
+        summary["frames_per_s"] = n * args.profile_frames / wall
+        summary["cuda_device_max_connections"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        report["profile"][n] = summary
+        print(f"N={n} under the profiler: {summary['frames_per_s']:.1f} frames/s", file=sys.stderr)
+        print_summary(summary, sys.stderr)
+        if args.trace and i == 0:
+            prof.export_chrome_trace(args.trace)
     tokens_len = len(streams[refs[0]][0][0])  # frame 0 has no PCM (the LM's delays)
     for kind, per in list(streams.items()):
         for name, frames in per.items():

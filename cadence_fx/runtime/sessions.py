@@ -24,7 +24,7 @@ from cadence_fx.runtime.lanes import Entry, Lane, LanePool
 from cadence_fx.runtime.rng import RngStates, SessionRng, session_rng
 from cadence_fx.runtime.errors import StateMismatch
 from cadence_fx.runtime.owners import resolve_source
-from cadence_fx.runtime.state import copy_into, state_target, state_to
+from cadence_fx.runtime.state import copy_states, state_target, state_to
 from cadence_fx.runtime.transaction import commit_copies, deferred_signals
 
 _T = TypeVar("_T")
@@ -114,8 +114,13 @@ class Session:
             program.evict(lane)  # on the lane's stream: after the default session's last call on it
             if self._done is not None:  # the session's previous call (any lane, any caller stream) came first
                 torch.cuda.current_stream().wait_event(self._done)
+            into, froms = [], []  # every region's copy in, then one operator for all of them
             for name, site in entry.sites.items():
-                flat[program.input_index(name)] = copy_into(lane.state.region_buffer(name), name, sources[name], site)
+                view, src = state_target(lane.state.region_buffer(name), name, sources[name], site)
+                flat[program.input_index(name)] = view
+                into.append(view)
+                froms.append(src)
+            copy_states(into, froms)
             with session_rng(self.rng):
                 out = entry.gm(*flat)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
