@@ -230,3 +230,18 @@ def test_box_cover_is_exact_and_bounded():
     assert box_covered([(3, 3), (0, 4)], [])                          # an empty read needs nothing
     cells = [[(i, i + 1), (j, j + 1), (k, k + 1)] for i in range(12) for j in range(12) for k in range(12)]
     assert not box_covered([(0, 12), (0, 12), (0, 12)], list(reversed(cells)))  # past the budget: refused
+
+
+def test_copy_states_copies_every_pair_bitwise_into_strided_views():
+    """A session call's copy-in: every region as one operator, strided (envelope) targets included."""
+    from cadence_fx.runtime.state import copy_states
+    g = torch.Generator().manual_seed(0)
+    bufs = [torch.zeros(4, 6, dtype=torch.float32), torch.zeros(3, 5, dtype=torch.bfloat16),
+            torch.zeros((), dtype=torch.int64)]
+    dsts = [bufs[0][:, 1:4], bufs[1].t()[:, :2], bufs[2]]
+    srcs = [torch.randn(4, 3, generator=g), torch.randn(5, 2, generator=g).to(torch.bfloat16), torch.tensor(7)]
+    before = bufs[0].clone()
+    copy_states(dsts, srcs)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s)
+    assert torch.equal(bufs[0][:, [0, 4, 5]], before[:, [0, 4, 5]])  # nothing outside the views written
