@@ -8,7 +8,7 @@ plan and the passes see the same, already validated, view of the program.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -34,6 +34,9 @@ class RegionSite:
     # clock axis at its longest in-flight extent) and a state of extent T is ``narrow(axis, 0, T)``;
     # None: the state is the contiguous prefix of the flat buffer
     envelope: tuple[int, ...] | None = None
+    # the views a session call takes of a region buffer, by (buffer, state) geometry, once checked:
+    # (size, stride, storage offset of the view, live shape of the state); see runtime.state.state_target
+    geometry: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def live_shape(self) -> tuple[int, ...]:

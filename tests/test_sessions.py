@@ -330,3 +330,26 @@ def test_an_output_viewing_what_a_lane_writes_is_the_sessions_own(lanes):
     kept = ya.clone()
     b(torch.full((1, 4), 7.0), torch.full((3, 4), 5.0))  # the same lane (or the other) writes its scratch
     assert torch.equal(ya, kept)
+
+
+def test_a_wrong_state_is_refused_after_the_views_geometry_is_kept(setup):
+    """A session call keeps each checked view geometry on the region site; a state of another dtype or
+    shape is refused all the same (by the catalog or the state check), and the session goes on with
+    its solo bytes."""
+    model, contract, eps = setup
+    prog = cf.optimize(eps, contract, replay="off")
+    a = prog.session("a")
+    state = _prompt_state(model, 1)
+    outs = []
+    for k in range(2):  # the second call takes its views from the kept geometry
+        o = _call(a, 1, k, state)
+        outs.append([t.clone() for t in o])
+        state = list(o[1:])
+    assert any(site.geometry for site in prog.region_sites().values())
+    for bad in (state[0].to(torch.float64), state[0][..., :1]):
+        with pytest.raises((cf.StateMismatch, cf.CatalogMiss)):
+            _call(a, 1, 2, [bad, *state[1:]])
+    o = _call(a, 1, 2, state)
+    outs.append([t.clone() for t in o])
+    ref = _solo(eps, _prompt_state(model, 1), 1, 3)
+    assert sha256([t for r in ref for t in r]) == sha256([t for r in outs for t in r])

@@ -170,7 +170,23 @@ def state_target(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSi
     """``(the view of buf that arg's bytes go to, arg restricted to its live slots)``, checked.
 
     The unmodified program refuses a state of another dtype or shape; a copy would round or
-    broadcast it silently, so neither is copied."""
+    broadcast it silently, so neither is copied. A session call takes two such views per region
+    (in and out), so the geometry of each checked pair is kept on the site and the next call of the
+    same geometry takes its view in one step: the check's result depends only on the key."""
+    key = (buf.dtype, buf.storage_offset(), tuple(buf.shape), buf.stride(), arg.dtype, tuple(arg.shape), layout)
+    geo = site.geometry.get(key)
+    if geo is None:
+        view, src = _checked_target(buf, name, arg, site, layout=layout)
+        site.geometry[key] = (tuple(view.shape), view.stride(), view.storage_offset(), tuple(src.shape))
+        return view, src
+    size, stride, offset, live = geo
+    if live != key[5]:
+        arg = arg[tuple(slice(0, n) for n in live)]
+    return buf.as_strided(size, stride, offset), arg.detach()
+
+
+def _checked_target(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite, *,
+                    layout: bool) -> tuple[torch.Tensor, torch.Tensor]:
     want = site.live_shape
     if arg.dtype != buf.dtype or arg.dim() != len(want):
         raise StateMismatch(f"region {name!r}: a state of dtype {arg.dtype} and rank {arg.dim()} given for input "
