@@ -10,40 +10,26 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    start = None
-    for a, b in sorted(intervals):
-        if start is None or a > end:
-            if start is not None:
-                total += end - start
-            start, end = a, b
-        else:
-            end = max(end, b)
-    if start is not None:
-        total += end - start
-    return total
+from benchmarks.cadence_measure import union_length
 
 
 def summarize(prof: Any, wall_s: float, top: int = 12) -> dict:
     """Runtime API calls by total host time (count, total and max ms), the union of kernel time over the
-    wall (busy), the kernels' summed time over that union (average kernels at once), and busy per stream."""
+    wall (busy), the kernels' summed time over that union (average kernels at once), and busy per stream.
+    (The profiler records Python-level ops only on the thread that started it; CUPTI's runtime calls and
+    kernels are every thread's.)"""
     api: dict[str, list[float]] = defaultdict(list)
     kernels: list[tuple[float, float]] = []
     per_stream: dict[Any, list[tuple[float, float]]] = defaultdict(list)
-    threads: dict[Any, float] = defaultdict(float)
     for ev in prof.events():
         dt = str(getattr(ev, "device_type", ""))
         start, end = ev.time_range.start, ev.time_range.end
         if dt.endswith("CUDA"):
             kernels.append((start, end))
             per_stream[getattr(ev, "device_resource_id", ev.thread)].append((start, end))
-        elif ev.name.startswith("cuda") or ev.name.startswith("cu"):
+        elif ev.name.startswith("cu"):  # the runtime and driver calls (cudaGraphLaunch, cuLaunchKernel, ...)
             api[ev.name].append(end - start)
-        elif ev.cpu_parent is None:
-            threads[ev.thread] += end - start
-    union = _union(kernels)
+    union = union_length(kernels)
     summed = sum(b - a for a, b in kernels)
     rows = sorted(((name, len(v), sum(v) / 1e3, max(v) / 1e3) for name, v in api.items()),
                   key=lambda r: -r[2])[:top]
@@ -53,8 +39,7 @@ def summarize(prof: Any, wall_s: float, top: int = 12) -> dict:
         "kernels_at_once": summed / union if union else None,
         "kernel_count": len(kernels),
         "runtime_api": [{"name": n, "count": c, "total_ms": t, "max_ms": m} for n, c, t, m in rows],
-        "streams": sorted((_union(v) / 1e6 / wall_s for v in per_stream.values()), reverse=True)[:16],
-        "top_level_host_s_per_thread": sorted((v / 1e6 for v in threads.values()), reverse=True)[:16],
+        "streams": sorted((union_length(v) / 1e6 / wall_s for v in per_stream.values()), reverse=True)[:16],
     }
 
 
@@ -67,6 +52,4 @@ def print_summary(s: dict, file: Any) -> None:
     for r in s["runtime_api"]:
         print(f"  {r['name']:<34} {r['count']:>7} calls {r['total_ms']:>10.1f} ms total {r['max_ms']:>8.2f} ms max",
               file=file)
-    print("  busy per stream:", [round(v, 3) for v in s["streams"]], file=file)
-    print("  top-level host s per thread:", [round(v, 2) for v in s["top_level_host_s_per_thread"]], file=file,
-          flush=True)
+    print("  busy per stream:", [round(v, 3) for v in s["streams"]], file=file, flush=True)

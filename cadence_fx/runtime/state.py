@@ -20,9 +20,10 @@ import torch
 from cadence_fx.binding import RegionSite
 from cadence_fx.runtime.errors import StaleState, StateMismatch, stale_message
 from cadence_fx.runtime.owners import resolve_source
+from cadence_fx.runtime.transaction import commit_copies
 
-__all__ = ["StaleState", "StateCounts", "StateMismatch", "StateStore", "copy_into", "copy_state", "copy_states", "stale_message",
-           "state_target", "state_to"]
+__all__ = ["StaleState", "StateCounts", "StateMismatch", "StateStore", "copy_into", "copy_state", "copy_states",
+           "stale_message", "state_target", "state_to"]
 
 # A copy between devices into or out of a non-contiguous view stages the whole view through a
 # contiguous temporary on the device; slices of at most this many bytes keep that temporary small.
@@ -173,14 +174,15 @@ def state_target(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSi
     broadcast it silently, so neither is copied. A session call takes two such views per region
     (in and out), so the geometry of each checked pair is kept on the site and the next call of the
     same geometry takes its view in one step: the check's result depends only on the key."""
-    key = (buf.dtype, buf.storage_offset(), tuple(buf.shape), buf.stride(), arg.dtype, tuple(arg.shape), layout)
+    shape = tuple(arg.shape)
+    key = (buf.dtype, buf.storage_offset(), tuple(buf.shape), buf.stride(), arg.dtype, shape, layout)
     geo = site.geometry.get(key)
     if geo is None:
         view, src = _checked_target(buf, name, arg, site, layout=layout)
         site.geometry[key] = (tuple(view.shape), view.stride(), view.storage_offset(), tuple(src.shape))
         return view, src
     size, stride, offset, live = geo
-    if live != key[5]:
+    if live != shape:
         arg = arg[tuple(slice(0, n) for n in live)]
     return buf.as_strided(size, stride, offset), arg.detach()
 
@@ -223,8 +225,7 @@ def copy_states(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     at every copy, and with many sessions' threads each copy waited for the others' Python (the
     region count, 99 for Moshi's LM, times that wait)."""
     same = [(d, s) for d, s in zip(dsts, srcs) if d.device == s.device]
-    if same:
-        torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+    commit_copies([d for d, _ in same], [s for _, s in same])
     for d, s in zip(dsts, srcs):
         if d.device != s.device:
             copy_state(d, s)
