@@ -220,8 +220,18 @@ class Conversations:
         self.regions = {s: {r.input for r in contracts[s].regions} for s in STAGES}
         self.lanes = _Lanes(progs["lm"].lanes.lanes)
 
-    def session(self, name: str, *, seed: int | None = None) -> Conversation:
-        return Conversation(self, {s: self.progs[s].session(f"{name}-{s}", seed=seed) for s in STAGES})
+    def session(self, name: str, *, seed: int | None = None, pin: bool = False) -> Conversation:
+        """One conversation: a session of each program (``pin``: each pinned to a lane of its own;
+        :class:`cadence_fx.NoLaneToPin`, with nothing left pinned, when a program has none left)."""
+        opened: dict = {}
+        try:
+            for s in STAGES:
+                opened[s] = self.progs[s].session(f"{name}-{s}", seed=seed, pin=pin)
+        except BaseException:
+            for sess in opened.values():
+                sess.close()
+            raise
+        return Conversation(self, opened)
 
     def counters(self) -> dict:
         return {s: p.counters() for s, p in self.progs.items()}

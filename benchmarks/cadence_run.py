@@ -89,7 +89,7 @@ class Run(SoloDigests):
         """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
         a = self.args
         return dict(cmd="serve", n=n, sessions=sessions_of(n, g, j), t0=t0, period=a.period,
-                    chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window,
+                    chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window, pin=a.pin,
                     cutoff_s=row_cutoff_s(a.period, chunks, a.row_slack))
 
     def warm(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
@@ -149,7 +149,7 @@ class Run(SoloDigests):
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
                     row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams,
-                               cuda_connections=a.cuda_connections, join_live=a.join_live,
+                               cuda_connections=a.cuda_connections, join_live=a.join_live, pin=a.pin,
                                host=[p.get("host") for p in parts],
                                gpu_ids=[w.g for w in grp],
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,

@@ -127,6 +127,17 @@ def release_parameters(step) -> int:
     return freed
 
 
+def open_session(prog, name: str, seed: int, pin: bool):
+    """A session of ``prog``; with ``pin``, pinned to a lane of its own while one is left."""
+    if pin:
+        from cadence_fx import NoLaneToPin
+        try:
+            return prog.session(name, seed=seed, pin=True)
+        except NoLaneToPin:
+            pass
+    return prog.session(name, seed=seed)
+
+
 def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     """Serve this GPU's sessions of one run; returns per-chunk records, digests, joins, memory, busy."""
     step = bench.step
@@ -136,7 +147,7 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t_join = time.perf_counter()
-    sessions = {i: None if cmd["join_live"] else prog.session(f"s{i}", seed=i % cmd["scripts"]) for i in mine}
+    sessions = {i: None if cmd["join_live"] else open_session(prog, f"s{i}", i % cmd["scripts"], cmd.get("pin", False)) for i in mine}
     joins: list[list[float]] = []
     if not cmd["join_live"] and mine:  # joined before the traffic: the mean join
         per = (time.perf_counter() - t_join) * 1e3 / len(mine)
@@ -195,7 +206,7 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                 with torch.no_grad():
                     if sessions[i] is None:  # --join-live: the session joins at its first chunk
                         tj = time.perf_counter()
-                        sessions[i] = prog.session(f"s{i}", seed=i % cmd["scripts"])
+                        sessions[i] = open_session(prog, f"s{i}", i % cmd["scripts"], cmd.get("pin", False))
                         joins.append([i, tj - base, (time.perf_counter() - tj) * 1e3])
                     if state[i] is None:
                         state[i] = dict(bench.state0)

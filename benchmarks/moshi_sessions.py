@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--throughput", default="1,2,4", help="N sessions at once for the frames-per-second rows")
     ap.add_argument("--reduced", action="store_true")
     ap.add_argument("--branches", type=int, default=1)
+    ap.add_argument("--pin", action="store_true", help="pin every session to a lane of its own (no state copies)")
     ap.add_argument("--blas-streams", type=int, default=None)
     ap.add_argument("--refs", default="eager,vendor", help="stock references to stream (eager is ~5x slower)")
     ap.add_argument("--repeat", type=int, default=1, help="times the concurrent streams are run (a race shows as variation)")
@@ -119,13 +120,13 @@ def main() -> None:
     for s in range(args.scripts):
         torch.manual_seed(s)
         streams["default"][s] = _frames(None, default_call, audio[s], state0)
-        sess = conv.session(f"alone-{s}", seed=s)
+        sess = conv.session(f"alone-{s}", seed=s, pin=args.pin)
         streams["session"][s] = _frames(None, sess, audio[s], state0)
         sess.close()
 
     def run_many(n_per_script: int, scripts: int, frames: int | None = None) -> tuple[dict, float]:
         got: dict[str, list[bytes]] = {}
-        sessions = {f"{s}.{i}": conv.session(f"c{n_per_script}-{s}.{i}", seed=s)
+        sessions = {f"{s}.{i}": conv.session(f"c{n_per_script}-{s}.{i}", seed=s, pin=args.pin)
                     for s in range(scripts) for i in range(n_per_script)}
 
         def one(name: str) -> None:

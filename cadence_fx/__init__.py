@@ -19,7 +19,7 @@ from cadence_fx.runtime.backends import CudaGraphBackend
 from cadence_fx.artifact import ArtifactError, ArtifactMismatch, load, save
 from cadence_fx.runtime.catalog import CatalogMiss, reference
 from cadence_fx.runtime.sessions import Session, SessionClosed, Snapshot
-from cadence_fx.runtime.errors import StaleState, StateMismatch
+from cadence_fx.runtime.errors import NoLaneToPin, StaleState, StateMismatch
 from cadence_fx.runtime.state import state_to
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -28,7 +28,7 @@ __all__ = [
     "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "CudaGraphBackend",
     "HeadTail",
     "OptimizedProgram", "Phase", "Plan", "Proposal", "Region",
-    "RetentionMismatch", "Ring", "Session", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "call_classes",
+    "RetentionMismatch", "Ring", "Session", "NoLaneToPin", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "call_classes",
     "example_inputs", "export_catalog", "format_traffic", "load", "optimize", "plan", "propose_contract", "reference", "region_extents", "save", "state_to", "state_traffic",
 ]
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ WORKSPACE_PREFIX = "_cf_workspace_"  # a demand-sized copy of a program-owned wo
 CONST_PREFIX = "_cf_const_"          # a hoisted constant (computed once at optimize time)
 INLINED_PREFIX = "_cf_inlined_"      # a tensor an inlined subgraph referenced
 RETURNED_PREFIX = "_cf_returned_"    # a module tensor the step returns as it is, re-attached after partitioning
+JOURNAL_PREFIX = "_cf_journal_"     # the undo journal: bytes a call's writes overwrite (passes.journal_writes)
 AUDITOR_ATTR = "_cf_auditor"         # verify mode's auditor object
 STATE_PREFIXES = (REGION_PREFIX, WORKSPACE_PREFIX)
 OWNED_PREFIX = "_cf_"                # anything the passes registered
@@ -153,6 +154,11 @@ def is_state_attr(target: object) -> bool:
 def is_region_attr(target: object) -> bool:
     """True for the attribute of a region buffer."""
     return isinstance(target, str) and target.startswith(REGION_PREFIX)
+
+
+def is_journal_attr(target: object) -> bool:
+    """True for a journal buffer (written every call, so each lane needs its own copy)."""
+    return isinstance(target, str) and target.rsplit(".", 1)[-1].startswith(JOURNAL_PREFIX)
 
 
 def is_owned_attr(target: object) -> bool:

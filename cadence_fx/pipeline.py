@@ -25,6 +25,7 @@ from cadence_fx.passes.envelope_state import envelope_state
 from cadence_fx.passes.hoist_constants import hoist_constants
 from cadence_fx.passes.inline_autocast import inline_autocast
 from cadence_fx.passes.inline_grad_regions import inline_grad_regions
+from cadence_fx.passes.journal_writes import journal_writes
 from cadence_fx.passes.mark_randomness import mark_randomness
 from cadence_fx.passes.mark_replay import mark_replay
 from cadence_fx.passes.partition import partition
@@ -44,6 +45,7 @@ PIPELINE = (
     retention_in_place,   # outgoing state -> written into the same buffer; trim checked and compacted
     shrink_workspace,     # program-owned workspaces -> the box the step can reach (demand sizing)
     cat_into_place,       # copy_(dst, cat(fresh pieces)) -> cat(pieces, out=dst): one kernel, no temporary
+    journal_writes,       # each write into a region's bytes -> preceded by a save of what it overwrites (the undo)
     partition,            # one sub-GraphModule per wrapped invocation
     bind_constants,       # weights a partition only reads -> its own attributes, not per-call inputs
     mark_replay,          # wrapped partitions -> annotated with what they alias, read and write

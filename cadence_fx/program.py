@@ -27,10 +27,9 @@ from cadence_fx.runtime.owners import DefaultState, NoReturned
 from cadence_fx.runtime.catalog import CatalogMiss
 from cadence_fx.runtime.census import Census
 from cadence_fx.runtime.lanes import Entry, Lane
-from cadence_fx.runtime.rng import RngStates, draw_random
-from cadence_fx.runtime.runners import RandomGuard, ReplayRunner
+from cadence_fx.runtime.rng import RngStates
 from cadence_fx.runtime.sessions import Session
-from cadence_fx.runtime.transaction import UndoLog
+from cadence_fx.runtime.transaction import CallUndo, whole_undo
 from cadence_fx.runtime.warmup import LaneWarmup, warm_up
 from cadence_fx.runtime.weights import FoldedWeights
 
@@ -113,10 +112,11 @@ class OptimizedProgram:
             self.check_entry(entry)
             evicted = lane.resident is not self._default  # a session used lane 0 since: our state was copied out
             returned = lane.state.last_returned()
-            undo = UndoLog(self._undo_views(lane)) if self.transactional and not evicted else None
-            rng = RngStates.current() if self._draws(entry) else None
+            undo = CallUndo(entry.gm, entry.facts.journal, self._undo_views(lane, entry, flat)) \
+                if self.transactional and not evicted else None
+            rng = RngStates.current() if entry.draws_randomness() else None
             try:
-                out = self._call_default(lane, entry, flat, evicted)
+                out = self._call_default(lane, entry, flat, evicted, undo)
             except BaseException:
                 if undo is not None:
                     undo.rollback()
@@ -131,7 +131,8 @@ class OptimizedProgram:
                 self._default.returned = lane.state.last_returned()
             return self.visible_outputs(out)
 
-    def _call_default(self, lane: Lane, entry: Entry, flat: list[Any], evicted: bool) -> Any:
+    def _call_default(self, lane: Lane, entry: Entry, flat: list[Any], evicted: bool,
+                      undo: CallUndo | None = None) -> Any:
         if evicted:
             for name, t in self._default.returned.items():
                 i = self._region_index[name]
@@ -143,6 +144,9 @@ class OptimizedProgram:
             for name, site in entry.sites.items():
                 i = self._region_index[name]
                 flat[i] = lane.state.adopt(name, staged[name], site)
+            if undo is not None:
+                undo.inputs = {name: flat[self._region_index[name]] for name in entry.sites}
+                undo.buffers = lane.state.region_buffers
         self._stats["calls"] += 1
         if self.auditor is not None:
             self.auditor.call += 1
@@ -156,20 +160,15 @@ class OptimizedProgram:
                 lane.state.returned(name, outs[site.output])
         return out
 
-    def _undo_views(self, lane: Lane) -> dict[str, torch.Tensor]:
-        """What a default call may overwrite of the state before it: the views the last call returned
-        and the module tensors the programs carry from call to call."""
-        views = dict(lane.state.last_returned())
+    def _undo_views(self, lane: Lane, entry: Entry, flat: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """What a default call may overwrite of the state before it and its journal does not cover: the
+        views the last call returned of regions it cannot journal or that are given another state
+        (copied in), and the module tensors the programs carry from call to call."""
+        returned = lane.state.last_returned()
+        copied_in = {n for n, v in returned.items() if n in self._region_index and flat[self._region_index[n]] is not v}
+        views = whole_undo(entry.facts.journal, returned, copied_in)
         views.update({f"module:{n}": t for n, t in self.undeclared_state(lane).items()})
         return views
-
-    def _draws(self, entry: Entry) -> bool:
-        """Whether the entry's program draws randomness (a failed call's draws are undone)."""
-        if entry.draws is None:
-            entry.draws = any(isinstance(m, RandomGuard) or (isinstance(m, ReplayRunner) and m.random)
-                              for m in entry.gm.modules()) or \
-                any(n.target is draw_random for n in entry.gm.graph.nodes if n.op == "call_function")
-        return entry.draws
 
     def flatten_inputs(self, args: Sequence[Any], kwargs: dict[str, Any],
                        state: Mapping[str, torch.Tensor] | None = None) -> list[Any]:
@@ -210,17 +209,23 @@ class OptimizedProgram:
         return dict(self._sites[0])
 
     # ------------------------------------------------------------------ sessions
-    def session(self, name: str | None = None, *, seed: int | None = None) -> Session:
+    def session(self, name: str | None = None, *, seed: int | None = None, pin: bool = False) -> Session:
         """A new conversation over this program's weights and graphs, with its own state buffers.
 
         ``seed`` seeds the session's own random streams (as ``torch.manual_seed(seed)`` would for a
         solo run); without it they start from the process's current generator states.
+
+        ``pin``: the session takes a lane of its own (any but lane 0) for its life and its state
+        stays in that lane's buffers: its calls copy no state and undo only what they overwrite
+        (a session that is not pinned copies its whole state in and out of a shared lane each call).
+        Raises :class:`NoLaneToPin` when every lane after lane 0 is pinned already.
         """
         if not self.state_rule:
             raise ContractError("sessions need the state rule (optimize(..., state=True))")
         self._refuse_undeclared_state("sessions")
         with self._session_lock:
-            s = Session(self, name or f"session-{self._session_count}", seed=seed)
+            lane = self.lanes.pin() if pin else None
+            s = Session(self, name or f"session-{self._session_count}", seed=seed, lane=lane)
             self._session_count += 1
             self._sessions[id(s)] = s
             owners.register(s, s.buffers())
@@ -234,6 +239,9 @@ class OptimizedProgram:
         with self._session_lock:
             self._sessions.pop(id(session), None)
             owners.unregister(session, session.buffers())
+            if session.lane is not None:  # the lane's buffers go back to the lane, for the next pin
+                owners.register(self._lane_owner, session.lane.state.tensors())
+                self.lanes.unpin(session.lane.index)
 
     def new_region_buffers(self) -> dict[str, torch.Tensor]:
         """Fresh, demand-sized region buffers (a session's own)."""

@@ -18,6 +18,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cadence_fx as cf
 from cadence_fx.adapters import moshi as mo
@@ -25,6 +26,7 @@ from cadence_fx.adapters.streaming import CatalogReference, export_step_catalog
 from cadence_fx.determinism import sha256_tensors
 from cadence_fx.plan import state_traffic
 from cadence_fx.testing.fake_backend import FakeBackend
+from tests.test_transactions import Fault
 
 pytestmark = pytest.mark.upstream
 
@@ -199,6 +201,73 @@ def test_two_sessions_interleaved_are_each_their_own_solo_run(stack, progs_off):
         solo = mo.stock_stream(stack.steps, stack.steps.initial_state(), pcm[s])
         _assert_same(got[s], solo, f"session {s}")
     assert _sha(got[seeds[0]]) != _sha(got[seeds[1]])
+
+
+class _FaultAtOp(TorchDispatchMode):
+    """Raise :class:`Fault` when the ``nth`` call of aten op ``name`` (an overload packet name) begins."""
+
+    def __init__(self, name: str, nth: int) -> None:
+        super().__init__()
+        self.name, self.nth, self.seen = name, nth, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == self.name:
+            self.seen += 1
+            if self.seen == self.nth:
+                raise Fault(f"injected at {func} #{self.nth}")
+        return func(*args, **(kwargs or {}))
+
+
+class _FaultyFirst:
+    """A program whose calls on the frames in ``at`` first raise at an op (``_FaultAtOp``), then run
+    again with the same arguments: the retry."""
+
+    def __init__(self, fn, at: set[int], op: tuple[str, int]) -> None:
+        self.fn, self.at, self.op, self.k, self.fired = fn, at, op, 0, 0
+
+    def __call__(self, *args):
+        if self.k in self.at:
+            kept = {n: t.clone() for n, t in self.fn.last_returned().items()}
+            with pytest.raises(Fault):
+                with _FaultAtOp(*self.op):
+                    self.fn(*args)
+            self.fired += 1
+            # every region's bytes as before the call (a retry alone would not tell: it rewrites the
+            # same ring slots with the same values)
+            now = self.fn.last_returned()
+            assert kept.keys() == now.keys() and all(torch.equal(kept[n], now[n]) for n in kept), self.op
+        self.k += 1
+        return self.fn(*args)
+
+
+# the LM step's writes in order: the token ring, each layer's K and V ring slots, the depformer's
+# draws, the token ring again (twice): a fault at its first draw comes after every KV ring write,
+# one at the 7th scatter_ before the last token-ring write
+@pytest.mark.parametrize("op", [("exponential_", 1), ("scatter_", 7)])
+def test_pinned_sessions_undo_a_fault_after_the_ring_writes_and_stay_exact(stack, op):
+    """Pinned sessions keep their rings in their lanes' buffers; a call that raises after writing
+    them puts back only what it overwrote (the journal: one slot per ring), and the stream is the
+    stock one."""
+    progs = {n: cf.optimize(stack.eps[n], stack.contracts[n], replay="off", lanes=3) for n in NAMES}
+    seeds = (11, 12)
+    pcm = {s: mo.user_audio(7, seed=s) for s in seeds}
+    sessions = {s: {n: progs[n].session(f"{n}-{s}", seed=s, pin=True) for n in NAMES} for s in seeds}
+    for s in seeds:
+        sessions[s]["lm"] = _FaultyFirst(sessions[s]["lm"], {2, 5}, op)  # frame 5: the 4-slot ring wrapped
+    journal = next(iter(progs["lm"].lanes.lanes[1].catalog.values())).facts.journal
+    assert {e.kind for e in journal.entries} >= {"scatter_"}  # the rings' writes are journaled by slot
+    state = {s: stack.steps.initial_state() for s in seeds}
+    got: dict[int, list[mo.Frame]] = {s: [] for s in seeds}
+    with torch.no_grad():
+        for k in range(7):
+            for s in seeds:
+                f = mo.step_frame(stack.steps, sessions[s], state[s], pcm[s][k], k)
+                got[s].append(mo.Frame(f.tokens.clone(), None if f.pcm is None else f.pcm.clone()))
+    for s in seeds:
+        assert sessions[s]["lm"].fired == 2
+        torch.manual_seed(s)
+        solo = mo.stock_stream(stack.steps, stack.steps.initial_state(), pcm[s])
+        _assert_same(got[s], solo, f"pinned session {s}")
 
 
 def test_a_state_field_the_adapter_does_not_know_is_refused(stack):

@@ -12,6 +12,8 @@ imports the modules an enum names) sees them; annotations have the kinds of ``_M
 
 from __future__ import annotations
 
+import math
+
 import functools
 import json
 import keyword
@@ -24,9 +26,9 @@ import torch.utils._pytree as pytree
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 
-from cadence_fx.annotations import META_PREFIX, RANDOM, REPLAY, SEGMENT, WRAPPED, ReplaySpec
+from cadence_fx.annotations import META_PREFIX, RANDOM, REPLAY, SEGMENT, WRAPPED, ReplaySpec, is_journal_attr
 from cadence_fx.artifact.exceptions import ArtifactError, ArtifactMismatch, where
-from cadence_fx.artifact.values import MAX_DEPTH, decode, encode, parse_ints
+from cadence_fx.artifact.values import DTYPE_NAMES, MAX_DEPTH, decode, encode, parse_ints
 
 __all__ = ["check_modules", "decode_graph", "decoded_module", "dotted", "encode_graph", "identifier"]
 
@@ -320,6 +322,7 @@ def check_modules(modules: list[Mapping[str, Any]], index: int, counts: Mapping[
         for name, kind, ref in m["attrs"]:
             to = ref is None or isinstance(ref, list) and len(ref) == 2 and (
                 ref[1] in regions if ref[0] == "region"
+                else _journal_ref(name, ref[1]) if ref[0] == "journal"
                 else type(ref[1]) is int and 0 <= ref[1] < counts.get(ref[0], 0))
             if not (identifier(name) and kind in _ATTR_KINDS and to) or name in attrs[path]:
                 raise ArtifactError(f"{where(index, path)}: attribute {name!r} ({kind!r}, {ref!r}) is not a named "
@@ -349,3 +352,18 @@ def check_modules(modules: list[Mapping[str, Any]], index: int, counts: Mapping[
             if not held:
                 raise ArtifactError(f"{where(index, path)}, node {name!r}: {op} target {target!r} is not in the "
                                     f"stored module tree")
+
+
+# a journal buffer is scratch of one call (the bytes its writes overwrite): stored as its shape and
+# dtype, allocated per lane at load; bounded like any declared shape
+_JOURNAL_ELEMENTS = 1 << 28
+
+
+def _journal_ref(name: str, x: Any) -> bool:
+    """Whether ``x`` is a journal buffer's stored form ``[id, shape, dtype]`` under a journal name."""
+    if not is_journal_attr(name) or not isinstance(x, list) or len(x) != 3:
+        return False
+    j, shape, dtype = x
+    return type(j) is int and j >= 0 and isinstance(shape, list) and len(shape) <= 64 \
+        and all(type(d) is int and d >= 0 for d in shape) and math.prod(shape) <= _JOURNAL_ELEMENTS \
+        and dtype in DTYPE_NAMES

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from torch.fx import GraphModule
 
 from cadence_fx import kernel_settings
+from cadence_fx.annotations import is_journal_attr
 from cadence_fx.artifact.environment import encode_device, program_device
 from cadence_fx.artifact.exceptions import ArtifactError
 from cadence_fx.artifact.graph_codec import encode_graph
@@ -150,6 +151,7 @@ class _Writer:
         self.regions = {id(t): name for name, t in lane.state.region_buffers.items()}
         self.workspaces = list(lane.state.workspaces())
         self._ws = {id(t): j for j, t in enumerate(self.workspaces)}
+        self._journals: dict[int, int] = {}
 
     def ref(self, t: torch.Tensor) -> list[Any]:
         """How an attribute names a tensor: a region buffer, a workspace, or an entry of the table."""
@@ -161,6 +163,12 @@ class _Writer:
             self._index[id(t)] = len(self.tensors)
             self.tensors.append(t)
         return ["tensor", self._index[id(t)]]
+
+    def journal(self, t: torch.Tensor) -> list[Any]:
+        """A journal buffer: its shape and dtype (its bytes are scratch); one per tensor of the program."""
+        if id(t) not in self._journals:
+            self._journals[id(t)] = len(self._journals)
+        return ["journal", [self._journals[id(t)], list(t.shape), dtype_name(t.dtype)]]
 
     def folded(self, fw: FoldedWeights | None) -> list[list[Any]] | None:
         if fw is None:
@@ -201,12 +209,13 @@ class _Writer:
                 attrs.append([name, "parameter", None if p is None else self.ref(p)])
             for name, b in mod._buffers.items():
                 kind = "buffer" if name not in mod._non_persistent_buffers_set else "buffer_np"
-                attrs.append([name, kind, None if b is None else self.ref(b)])
+                attrs.append([name, kind, None if b is None else self.journal(b) if is_journal_attr(name)
+                              else self.ref(b)])
             for name, v in vars(mod).items():
                 if name in MODULE_INTERNALS:
                     continue
                 if isinstance(v, torch.Tensor):
-                    attrs.append([name, "attribute", self.ref(v)])
+                    attrs.append([name, "attribute", self.journal(v) if is_journal_attr(name) else self.ref(v)])
                 else:
                     raise ArtifactError(f"cadence_fx.save: {at} holds attribute {name!r} of type {type(v).__name__}, "
                                         f"which the artifact cannot store")

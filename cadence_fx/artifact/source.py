@@ -102,6 +102,12 @@ class ArtifactSource:
                 return self._tensors[x]
             if kind == "region":
                 return facts.region_buffers[x]
+            if kind == "journal":  # scratch of one call: zeros, one per lane, shared by the lane's modules
+                j, shape, dtype = x
+                got = tables.journals.get((index, j))
+                if got is None:
+                    got = tables.journals[(index, j)] = torch.zeros(shape, dtype=parse_dtype(dtype), device=self._device)
+                return got
             key = ("artifact", x)  # one copy per lane, shared by the lane's programs
             if key not in ws_tables:
                 w = self._manifest["workspaces"][x]

@@ -16,14 +16,15 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.fx import Node
 
-from cadence_fx.annotations import Finding
+from cadence_fx.annotations import JOURNAL_PREFIX, Finding
 from cadence_fx.artifact.exceptions import ArtifactError
 from cadence_fx.binding import RegionSite
 from cadence_fx.contract import Clock, Contract, HeadTail, Phase, Region, Ring, SlidingWindow
 from cadence_fx.passes import ProgramFacts
 from cadence_fx.plan import Plan, RegionPlan
+from cadence_fx.runtime.journal import JournalEntry, WriteJournal
 
-__all__ = ["MAX_DEPTH", "STORED_FACTS", "canonical", "decode", "decode_contract", "decode_plan", "decode_site",
+__all__ = ["DTYPE_NAMES", "MAX_DEPTH", "STORED_FACTS", "canonical", "decode", "decode_contract", "decode_plan", "decode_site",
            "dtype_name", "encode", "encode_contract", "encode_facts", "encode_plan", "encode_site", "parse_dtype",
            "parse_ints", "parse_shape"]
 
@@ -39,6 +40,7 @@ def dtype_name(d: torch.dtype) -> str:
 
 
 _DTYPES = {dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+DTYPE_NAMES = frozenset(_DTYPES)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -167,6 +169,8 @@ def encode_facts(facts: ProgramFacts) -> dict[str, Any]:
         value = getattr(facts, f.name)
         if f.name == "left_stock":  # records: stored as the plain dicts they give
             value = [finding.to_dict() for finding in value]
+        elif f.name == "journal":
+            value = None if value is None else _journal_dict(value)
         try:
             out[f.name] = encode(value)
         except ArtifactError:
@@ -174,9 +178,68 @@ def encode_facts(facts: ProgramFacts) -> dict[str, Any]:
     return out
 
 
+def _journal_dict(j: WriteJournal) -> dict[str, Any]:
+    """The undo journal with its view ops by name (``aten::select.int``)."""
+    return {"flags": j.flags, "whole": sorted(j.whole),
+            "entries": [{"region": e.region, "root": e.root, "kind": e.kind, "dim": e.dim, "old": e.old,
+                         "index": e.index, "slot": e.slot,
+                         "chain": [[_op_name(op), list(args), [list(kv) for kv in kwargs]] for op, args, kwargs in e.chain]}
+                        for e in j.entries]}
+
+
+def _op_name(op: Any) -> str:
+    return f"{op._schema.name}.{op._overloadname}"
+
+
+def _view_op(name: Any) -> Any:
+    """The ATen view op a stored journal names; anything else (an op that writes, allocates or is not
+    ATen's) is refused: the journal replays these on the state."""
+    if not isinstance(name, str) or not name.startswith("aten::") or name.count(".") != 1:
+        raise ArtifactError(f"journal: {name!r} is not an ATen op name")
+    base, overload = name.removeprefix("aten::").split(".")
+    op = getattr(getattr(torch.ops.aten, base, None), overload, None)
+    if not isinstance(op, torch._ops.OpOverload):
+        raise ArtifactError(f"journal: {name!r} is not an ATen op")
+    rets = op._schema.returns
+    if not rets or op._schema.is_mutable or rets[0].alias_info is None or rets[0].alias_info.is_write:
+        raise ArtifactError(f"journal: {name!r} is not a view op")
+    return op
+
+
+def _decode_journal(v: Any) -> WriteJournal | None:
+    if v is None:
+        return None
+    try:
+        entries = tuple(JournalEntry(
+            region=str(e["region"]), root=_one_of(e["root"], ("input", "buffer")),
+            chain=tuple((_view_op(op), tuple(args), tuple((str(k), x) for k, x in kwargs)) for op, args, kwargs in e["chain"]),
+            kind=_one_of(e["kind"], ("view", "scatter_", "index_copy_", "index_fill_")),
+            dim=None if e["dim"] is None else int(e["dim"]), old=_journal_attr(e["old"]),
+            index=None if e["index"] is None else _journal_attr(e["index"]), slot=int(e["slot"]))
+            for e in v["entries"])
+        return WriteJournal(None if v["flags"] is None else _journal_attr(v["flags"]), entries,
+                            frozenset(str(r) for r in v["whole"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"journal: not a journal ({type(e).__name__}: {e})") from None
+
+
+def _one_of(v: Any, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise ArtifactError(f"journal: {v!r} is not one of {allowed}")
+    return v
+
+
+def _journal_attr(v: Any) -> str:
+    if not isinstance(v, str) or not v.startswith(JOURNAL_PREFIX) or not v.replace("_", "").isalnum():
+        raise ArtifactError(f"journal: {v!r} is not a journal buffer's name")
+    return v
+
+
 def decode_fact(name: str, value: Any) -> Any:
     """A stored finding as the program holds it (``left_stock``: :class:`Finding` records)."""
     value = decode(value)
+    if name == "journal":
+        return _decode_journal(value)
     if name != "left_stock":
         return value
     if not isinstance(value, list):

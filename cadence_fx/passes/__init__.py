@@ -25,6 +25,7 @@ from cadence_fx.runtime.workspaces import CatalogTables
 
 if TYPE_CHECKING:
     from cadence_fx.runtime.audit import Auditor
+    from cadence_fx.passes.journal_writes import WriteJournal
     from cadence_fx.runtime.weights import FoldedWeights
 
 log = logging.getLogger("cadence_fx.passes")
@@ -66,6 +67,8 @@ class ProgramFacts:
     state_bytes: dict[str, dict[str, int | None]] = field(default_factory=dict)
     # patterns a state pass recognised but could not prove exact: left as the stock program has them
     left_stock: list[Finding] = field(default_factory=list)
+    # what a call writes into its regions, journaled for the undo (passes.journal_writes); None: not run
+    journal: "WriteJournal | None" = None
 
     def leave_stock(self, pattern: str, subject: str, reason: str) -> None:
         """Record that a pass left ``pattern`` (a finding kind of :mod:`cadence_fx.annotations`) stock for

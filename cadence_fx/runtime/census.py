@@ -11,6 +11,8 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
+from cadence_fx.annotations import is_journal_attr
+
 from cadence_fx.analysis.graph_io import fetch_attr
 from cadence_fx.runtime.lanes import Lane, LanePool, lane_writes
 
@@ -51,23 +53,25 @@ class Census:
     def memory(self, sessions: Iterable[_Sized]) -> dict[str, int]:
         """Bytes the program holds on its device, by kind: parameters, constants (buffers and hoisted
         constants), regions, workspaces, graph pools (reserved by captures), staging buffers (all
-        lanes), and the open ``sessions``' own region buffers."""
+        lanes), the undo journals' buffers, and the open ``sessions``' own region buffers (a pinned
+        session's are its lane's regions)."""
         owned = frozenset().union(*(lane.state.owned_storages() for lane in self.lanes.lanes))
         seen: dict[int, tuple[str, int]] = {}
         for gm in [e.gm for lane in self.lanes.lanes for e in lane.catalog.values()]:
-            for kind, tensors in (("parameters", gm.parameters()), ("constants", gm.buffers())):
-                for t in tensors:
+            for kind, tensors in (("parameters", gm.named_parameters()), ("constants", gm.named_buffers())):
+                for name, t in tensors:
                     st = t.untyped_storage()
                     if st.data_ptr() not in owned:
-                        seen.setdefault(st.data_ptr(), (kind, st.nbytes()))
-        out = {"parameters": 0, "constants": 0}
+                        seen.setdefault(st.data_ptr(), ("journal" if is_journal_attr(name) else kind, st.nbytes()))
+        out = {"parameters": 0, "constants": 0, "journal": 0}
         for kind, nbytes in seen.values():
             out[kind] += nbytes
         for lane in self.lanes.lanes:
             for part in (lane.state.nbytes(), lane.runners.memory()):
                 for k, v in part.items():
                     out[k] = out.get(k, 0) + v
-        out["sessions"] = sum(s.nbytes() for s in sessions)
+        # a pinned session's state is its lane's regions, counted above
+        out["sessions"] = sum(s.nbytes() for s in sessions if getattr(s, "lane", None) is None)
         return out
 
     def undeclared_state(self, lane: Lane | None = None) -> dict[str, torch.Tensor]:

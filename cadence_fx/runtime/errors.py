@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["StaleState", "StateMismatch", "stale_message"]
+__all__ = ["NoLaneToPin", "StaleState", "StateMismatch", "stale_message"]
 
 
 class StaleState(RuntimeError):
@@ -20,3 +20,7 @@ def stale_message(name: str, input_name: str) -> str:
 class StateMismatch(ValueError):
     """A state tensor that cannot be this region's: another dtype, rank or shape (a snapshot of
     another model, a float64 state for a float32 region)."""
+
+
+class NoLaneToPin(RuntimeError):
+    """``program.session(pin=True)`` when every lane a session may pin is pinned already."""

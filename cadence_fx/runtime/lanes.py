@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch.fx import Graph, GraphModule
 
-from cadence_fx.annotations import is_owned_attr
+from cadence_fx.annotations import is_journal_attr, is_owned_attr
 from cadence_fx.binding import RegionSite
 from cadence_fx.analysis.graph_io import fetch_attr
 from cadence_fx.analysis.writes import attribute_writes
 from cadence_fx.runtime.catalog import Catalog
-from cadence_fx.runtime.runners import RunnerSet
+from cadence_fx.runtime.errors import NoLaneToPin
+from cadence_fx.runtime.rng import draw_random
+from cadence_fx.runtime.runners import RandomGuard, ReplayRunner, RunnerSet
 from cadence_fx.runtime.state import StateStore
 from cadence_fx.runtime.streams import StreamHandoff
 
@@ -49,6 +51,14 @@ class Entry:
     facts: "ProgramFacts"
     admitted: bool
     draws: bool | None = None  # whether the program draws randomness (worked out at its first call)
+
+    def draws_randomness(self) -> bool:
+        """Whether the program draws randomness (a failed call's draws are undone)."""
+        if self.draws is None:
+            self.draws = any(isinstance(m, RandomGuard) or (isinstance(m, ReplayRunner) and m.random)
+                             for m in self.gm.modules()) or \
+                any(n.target is draw_random for n in self.gm.graph.nodes if n.op == "call_function")
+        return self.draws
 
 
 @dataclass
@@ -106,6 +116,7 @@ class LanePool:
         self._free = threading.Condition()
         self._busy: set[int] = set()
         self._offline: set[int] = set()
+        self._pinned: set[int] = set()
 
     def add(self, lane: Lane) -> None:
         with self._free:
@@ -122,6 +133,30 @@ class LanePool:
             self._offline.discard(index)
             self._free.notify_all()
 
+    def pin(self) -> Lane:
+        """Reserve a lane for one session's life (:meth:`unpin` gives it back): the lowest-numbered
+        lane after lane 0 that is online and not pinned (:class:`NoLaneToPin` when there is none).
+        Calls that name no lane never get a pinned lane; a call running on it now finishes first (the
+        pinned session's calls name the lane and wait for it)."""
+        with self._free:
+            for ln in self.lanes:
+                if ln.index > 0 and ln.index not in self._offline and ln.index not in self._pinned:
+                    self._pinned.add(ln.index)
+                    return ln
+            raise NoLaneToPin(f"no lane to pin: the program has {len(self.lanes)} lane(s) and {len(self._pinned)} "
+                              f"are pinned; lane 0 serves the program's own calls and the sessions that are not "
+                              f"pinned (optimize(..., lanes=N) for more)")
+
+    def unpin(self, index: int) -> None:
+        with self._free:
+            self._pinned.discard(index)
+            self._free.notify_all()
+
+    def pinned(self) -> int:
+        """How many lanes are pinned to sessions."""
+        with self._free:
+            return len(self._pinned)
+
     def online(self) -> int:
         """How many lanes calls that name none may get."""
         with self._free:
@@ -137,7 +172,7 @@ class LanePool:
         with self._free:
             while True:
                 if index is None:
-                    candidates = [ln for ln in self.lanes if ln.index not in self._offline]
+                    candidates = [ln for ln in self.lanes if ln.index not in self._offline and ln.index not in self._pinned]
                 else:
                     candidates = [ln for ln in self.lanes if ln.index == index]
                 free = [ln for ln in candidates if ln.index not in self._busy]
@@ -192,7 +227,7 @@ def privatize_written_buffers(gm: GraphModule, copies: dict[int, torch.Tensor], 
         # written in the module's own graph or, through the input it is passed as, inside a partition
         # it calls (a solver's per-step cache buffer: the root passes it, a partition writes it)
         for target in sorted(lane_writes(mod)):
-            if is_owned_attr(target):
+            if is_owned_attr(target) and not is_journal_attr(target):
                 continue
             owner_path, _, leaf = target.rpartition(".")
             owner: Any = fetch_attr(mod, owner_path) if owner_path else mod

@@ -9,13 +9,20 @@ state, whatever ran on the lane before, and the bytes do not depend on which lan
 
 The program's own calls (plain ``prog(...)``) are the default session. Its state stays in lane 0's
 buffers between calls (no copies); a session that needs lane 0 first copies that state out.
+
+A *pinned* session (``program.session(pin=True)``) takes a lane of its own for its life and keeps
+its state in that lane's buffers, like the default session: a call copies no state in or out, and
+its undo saves only what the call's writes overwrite (the journal:
+:mod:`cadence_fx.runtime.journal`). Calls of other sessions never get a pinned lane. The state views
+a pinned session returns are its lane's buffers: valid until its next call or its close.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -25,7 +32,7 @@ from cadence_fx.runtime.rng import RngStates, SessionRng, session_rng
 from cadence_fx.runtime.errors import StateMismatch
 from cadence_fx.runtime.owners import resolve_source
 from cadence_fx.runtime.state import copy_states, state_target, state_to
-from cadence_fx.runtime.transaction import commit_copies, deferred_signals
+from cadence_fx.runtime.transaction import CallUndo, commit_copies, deferred_signals, whole_undo
 
 _T = TypeVar("_T")
 
@@ -70,10 +77,11 @@ class Session:
     """
 
     def __init__(self, program: SessionHost, name: str, *, seed: int | None = None,
-                 rng: RngStates | None = None) -> None:
+                 rng: RngStates | None = None, lane: Lane | None = None) -> None:
         self.program = program
         self.name = name
-        self._buffers = program.new_region_buffers()
+        self.lane = lane  # the lane pinned to this session (its state lives there), or None
+        self._buffers = program.new_region_buffers() if lane is None else dict(lane.state.region_buffers)
         states = rng if rng is not None else RngStates.seeded(seed) if seed is not None else RngStates.current()
         self.rng = SessionRng(states.clone())
         self._returned: dict[str, torch.Tensor] = {}
@@ -98,8 +106,12 @@ class Session:
                 sources[name] = resolve_source(name, flat[self.program.input_index(name)], site.region.input, asked)
             rng_before = self.rng.states  # a draw replaces the states object, never changes it in place
             try:
-                with self.program.lanes.take(prefer_unoccupied=True) as lane:
-                    out = self._run_on(lane, lane.catalog[key], flat, sources)
+                if self.lane is not None:
+                    with self.program.lanes.take(self.lane.index) as lane:
+                        out = self._run_pinned(lane, lane.catalog[key], flat, sources)
+                else:
+                    with self.program.lanes.take(prefer_unoccupied=True) as lane:
+                        out = self._run_on(lane, lane.catalog[key], flat, sources)
             except BaseException:
                 self.rng.states = rng_before
                 raise
@@ -153,6 +165,41 @@ class Session:
                     t.record_stream(caller)
         return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
+    def _run_pinned(self, lane: Lane, entry: Entry, flat: list[Any], sources: dict[str, torch.Tensor]) -> Any:
+        """A call on the session's own lane: the state is already in the lane's buffers (the views the
+        last call returned); a state given from elsewhere is copied in first. The call writes the
+        state in place; if it raises, the undo puts back what it overwrote."""
+        program = self.program
+        program.check_entry(entry)
+        with lane.on_stream(), torch.no_grad():
+            into, froms, copied = [], [], set()
+            for name, site in entry.sites.items():
+                view, src = state_target(lane.state.region_buffer(name), name, sources[name], site)
+                flat[program.input_index(name)] = view
+                if not _same_view(view, src):
+                    into.append(view)
+                    froms.append(src)
+                    copied.add(name)
+            undo = CallUndo(entry.gm, entry.facts.journal, whole_undo(entry.facts.journal, self._returned, copied))
+            try:
+                copy_states(into, froms)
+                undo.inputs = {name: flat[program.input_index(name)] for name in entry.sites}
+                undo.buffers = lane.state.region_buffers
+                with session_rng(self.rng):
+                    out = entry.gm(*flat)
+                outs = list(out) if isinstance(out, (tuple, list)) else [out]
+                returned = {name: outs[site.output] for name, site in entry.sites.items()}
+            except BaseException:
+                undo.rollback()
+                raise
+            self._returned = returned
+        if lane.stream is not None:
+            caller = torch.cuda.current_stream(lane.stream.device)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(caller)
+        return out
+
     # ------------------------------------------------------------------ what the program asks
     def last_returned(self) -> dict[str, torch.Tensor]:
         return dict(self._returned)
@@ -202,14 +249,23 @@ class Session:
                 if not isinstance(t, torch.Tensor):
                     raise StateMismatch(f"session {self.name!r}: region {name!r} of the snapshot is a "
                                         f"{type(t).__name__}, not a tensor")
-                targets[name] = state_target(self._buffers[name], name, t, sites[name], layout=False)
+                targets[name] = state_target(self._buffers[name], name, t, sites[name], layout=self.lane is not None)
             rng = snapshot.rng.clone() if snapshot.rng is not None else None
-            with deferred_signals():
+            with self._on_own_lane(), deferred_signals():
                 commit_copies([v for v, _ in targets.values()], [src for _, src in targets.values()])
                 self._returned = {name: v for name, (v, _) in targets.items()}
                 if rng is not None:
                     self.rng.states = rng
             return dict(self._returned)
+
+    @contextmanager
+    def _on_own_lane(self) -> Iterator[None]:
+        """For a pinned session: hold its lane and run on its stream (what writes the lane's buffers)."""
+        if self.lane is None:
+            yield
+            return
+        with self.program.lanes.take(self.lane.index) as lane, lane.on_stream():
+            yield
 
     def close(self) -> None:
         """Release the session: later calls raise :class:`SessionClosed`. Its buffers are freed once
@@ -222,9 +278,10 @@ class Session:
             self.program.forget_session(self)
             self._returned = {}
             self._buffers = {}
+            self.lane = None
 
     def nbytes(self) -> int:
-        """Device bytes this session holds (its region buffers)."""
+        """Device bytes this session's state takes (its region buffers; a pinned session's are its lane's)."""
         return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
 
     def _check_open(self) -> None:
@@ -236,3 +293,8 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` is the very bytes ``a`` views (the state a pinned session's last call returned)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype

@@ -8,9 +8,12 @@ state that is neither the old one nor the new one, and feeding it back gives wro
 - A session's call runs on a lane's buffers, which are scratch for it; the session's own buffers
   change only at the commit, which is one ``_foreach_copy_`` (one operator: it runs whole or not at
   all) with signal handlers deferred around it, so the commit cannot be cut in half.
-- The default program keeps its state in lane 0's buffers between calls (no copies), so the call
-  writes the state itself. :class:`UndoLog` copies the state the last call returned before the call
-  touches it, and puts it back if the call raises; the copy is dropped when the call succeeds.
+- The default program keeps its state in lane 0's buffers between calls (no copies), and a pinned
+  session in its own lane's, so the call writes the state itself. :class:`CallUndo` undoes such a
+  call: the journal (:mod:`cadence_fx.runtime.journal`) puts back what each of its writes
+  overwrote, and :class:`UndoLog` copies, before the call, the regions the journal does not cover
+  (a write it cannot replay, a state copied in over the resident one, module tensors carried between
+  calls) and puts them back if the call raises; both are dropped when the call succeeds.
 
 Random streams are part of the state too: a failed call's draws are undone with its regions.
 """
@@ -24,7 +27,9 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-__all__ = ["UndoLog", "commit_copies", "deferred_signals"]
+from cadence_fx.runtime.journal import WriteJournal, journal_arm, journal_nbytes, journal_rollback
+
+__all__ = ["CallUndo", "UndoLog", "commit_copies", "deferred_signals", "whole_undo"]
 
 
 @contextmanager
@@ -82,3 +87,39 @@ class UndoLog:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._saved.values())
+
+
+def whole_undo(journal: WriteJournal | None, returned: Mapping[str, torch.Tensor],
+               copied_in: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The views of ``returned`` (the state before the call, by region) an undo must copy whole: every
+    region without a journal; with one, the regions it could not journal and those ``copied_in`` (a
+    state given from elsewhere is copied over the resident bytes before the graph runs)."""
+    if journal is None:
+        return dict(returned)
+    keep = journal.whole | set(copied_in)
+    return {n: v for n, v in returned.items() if n in keep}
+
+
+class CallUndo:
+    """The undo of one call that writes the state where it lives: the journal's entries, then the
+    whole copies of ``views``. Arm it (this constructor) before anything of the call runs; set
+    :attr:`inputs` (each region's state input, as the graph is given it) and :attr:`buffers` (the
+    lane's flat region buffers) before the graph runs."""
+
+    def __init__(self, gm: torch.nn.Module, journal: WriteJournal | None, views: Mapping[str, torch.Tensor]) -> None:
+        self._gm, self._journal = gm, journal
+        self._log = UndoLog(views)
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.buffers: Mapping[str, torch.Tensor] = {}
+        journal_arm(gm, journal)
+
+    def rollback(self) -> None:
+        """Put the state back as it was before the call (signals deferred: half a rollback is none)."""
+        with deferred_signals():
+            if self._journal is not None and self.inputs:
+                journal_rollback(self._gm, self._journal, self.inputs, self.buffers)
+            self._log.rollback()
+
+    def nbytes(self) -> int:
+        """Bytes this undo saved: the whole copies and the journal's buffers."""
+        return self._log.nbytes() + journal_nbytes(self._gm, self._journal)

@@ -38,6 +38,8 @@ class CatalogTables:
     # autocast blocks retraced by ``inline_autocast``, by (subgraph code, autocast arguments, operands):
     # every lane rewrites the same programs, and the retrace is the slow part of the pipeline
     retraced: dict[tuple, GraphModule] = field(default_factory=dict)
+    # undo-journal buffers a loaded artifact allocates, by (program, stored id): one per lane
+    journals: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
 
 def rebind_shared_workspaces(gm: GraphModule, table: dict[tuple, SharedWorkspace]) -> None:
