@@ -38,6 +38,8 @@ from cadence_fx.runtime.journal import JournalEntry, WriteJournal
 
 __all__ = ["journal_writes"]
 
+_WHOLE_FACTOR = 2  # journal bytes over state bytes above which a region is copied whole instead
+
 # in-place ops whose written elements an index names: (gather op that reads them, where the dim and index are)
 _INDEXED = {
     "scatter_": aten.gather.default,
@@ -77,8 +79,9 @@ def journal_writes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             whole.add(name)
         else:
             plans.append((n, w, name, kind, plan))
-    # a region whose journal would save as many bytes as its state (a compaction rewrites the window)
-    # is cheaper copied whole once
+    # a region whose journal would save far more bytes than its state (a compaction stages and
+    # rewrites the window) is copied whole once instead; below that the journal wins even at more
+    # bytes: it runs inside the graphs, where a whole copy is one more host operation per region and call
     saved: dict[str, int] = {}
     for n, w, name, kind, (op_kind, _c, _d, index, shape, dtype) in plans:
         idx = shape_of(index) if index is not None else None
@@ -86,7 +89,7 @@ def journal_writes(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for name, b in saved.items():
         ph = facts.regions[name].placeholder
         val = ph.meta.get("val")
-        if isinstance(val, torch.Tensor) and shape_of(ph) is not None and b >= _nbytes(shape_of(ph), val.dtype):
+        if isinstance(val, torch.Tensor) and shape_of(ph) is not None and b > _WHOLE_FACTOR * _nbytes(shape_of(ph), val.dtype):
             whole.add(name)
     plans = [p for p in plans if p[2] not in whole]  # a region undone whole needs no entries
     if not plans:

@@ -10,6 +10,7 @@ write never ran has its flag clear and puts nothing back.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -57,10 +58,19 @@ def find_attr(gm: torch.nn.Module, attr: str) -> torch.Tensor:
     raise KeyError(f"no module of the program holds journal buffer {attr!r}")
 
 
+# each program's flags buffer, found once: arming runs before every call, and a lane's programs are
+# fixed once built (the walk over a 7B LM's modules would be host time on every frame)
+_FLAGS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
 def journal_arm(gm: torch.nn.Module, journal: WriteJournal | None) -> None:
     """Before a call that may be undone: no entry is done yet."""
-    if journal is not None and journal.flags is not None:
-        find_attr(gm, journal.flags).zero_()
+    if journal is None or journal.flags is None:
+        return
+    flags = _FLAGS.get(gm)
+    if flags is None:
+        flags = _FLAGS[gm] = find_attr(gm, journal.flags)
+    flags.zero_()
 
 
 def journal_rollback(gm: torch.nn.Module, journal: WriteJournal, inputs: Mapping[str, torch.Tensor],
