@@ -115,7 +115,7 @@ class PassesSource:
     label = "cadence_fx optimize"
 
     def __init__(self, exported: Sequence[ExportedProgram], contract: Contract, *, verify: bool,
-                 state: bool = True) -> None:
+                 state: bool = True, journal: bool = True) -> None:
         self._phases = _phases(exported, contract)
         # a region kept in a module buffer becomes one more input and output of every program
         exported, contract, self._buffer_regions = lift_buffer_regions(exported, contract) if state else \
@@ -129,7 +129,8 @@ class PassesSource:
         self._sites = [bind_regions(ep, contract) for ep in exported]
         self._state_rule = state
         self._auditor = Auditor() if verify else None
-        self._config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self._auditor)
+        self._config = PassConfig(contract=contract, state_rule=state, verify=verify and state, auditor=self._auditor,
+                                  journal=journal)
         self._exported = list(exported)
 
     @property

@@ -217,8 +217,7 @@ class OptimizedProgram:
 
         ``pin``: the session takes a lane of its own (any but lane 0) for its life and its state
         stays in that lane's buffers: its calls copy no state and undo only what they overwrite
-        (a session that is not pinned copies its whole state in and out of a shared lane each call).
-        Raises :class:`NoLaneToPin` when every lane after lane 0 is pinned already.
+        (a shared session copies its state in and out each call); :class:`NoLaneToPin` if none is left.
         """
         if not self.state_rule:
             raise ContractError("sessions need the state rule (optimize(..., state=True))")
@@ -365,7 +364,7 @@ class OptimizedProgram:
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
              verify: bool = False, replay: Replay | Any = "auto", state: bool = True,
-             lanes: int = 1, transactional: bool = True) -> OptimizedProgram:
+             lanes: int = 1, transactional: bool = True, journal: bool | None = None) -> OptimizedProgram:
     """Rewrite a streaming step under ``contract`` and return a drop-in replacement for ``ep.module()``.
 
     Args:
@@ -381,11 +380,13 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
         lanes: how many session calls may run at once: each lane is one copy of the rewritten
             programs with its own state buffers, workspaces, graph pool and CUDA stream (weights and
             hoisted constants are shared). Sessions (:meth:`OptimizedProgram.session`) are not lanes:
-            any number of them share the lanes, each call copying its state in and out.
+            any number of them share the lanes, each call copying its state in and out, unless pinned
+            to a lane of their own (``session(pin=True)``).
         transactional: a default-program call (``prog(...)``) that raises leaves the state exactly as
-            before it; it costs one device copy of the live state per call (an undo log). Off, a call
-            that raises leaves the regions undefined. Session calls are transactions either way, at
-            no cost: their lane buffers are scratch until the commit.
+            before it. Off, a call that raises leaves the regions undefined. Session calls are
+            transactions either way: a shared session's lane buffers are scratch until its commit.
+        journal: the graphs save what each region write overwrites, the undo of the default program's
+            and pinned sessions' calls (``passes.journal_writes``); default ``transactional``.
 
     Raises:
         ContractError: the contract is inconsistent with itself or with the exported programs.
@@ -394,5 +395,6 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     if not eps:
         raise ContractError("optimize: no exported program given")
     check_lanes(lanes)  # before the source folds the programs' shared weights
-    return OptimizedProgram(PassesSource(eps, contract, verify=verify, state=state), replay=replay, lanes=lanes,
-                            transactional=transactional)
+    source = PassesSource(eps, contract, verify=verify, state=state,
+                          journal=transactional if journal is None else journal)
+    return OptimizedProgram(source, replay=replay, lanes=lanes, transactional=transactional)

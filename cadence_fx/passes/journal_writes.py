@@ -53,6 +53,8 @@ def journal_writes(gm: GraphModule, ctx: PassContext) -> GraphModule:
     facts = ctx.program
     if not ctx.config.state_rule or not facts.regions:
         return gm
+    if not ctx.config.journal:  # the undos copy every region whole (journal None)
+        return gm
     graph = gm.graph
     roots: dict[Node, tuple[str, str]] = {}
     for name, rs in facts.regions.items():
@@ -89,14 +91,16 @@ def journal_writes(gm: GraphModule, ctx: PassContext) -> GraphModule:
     for name, b in saved.items():
         ph = facts.regions[name].placeholder
         val = ph.meta.get("val")
-        if isinstance(val, torch.Tensor) and shape_of(ph) is not None and b > _WHOLE_FACTOR * _nbytes(shape_of(ph), val.dtype):
+        state = _nbytes(shape_of(ph), val.dtype) if isinstance(val, torch.Tensor) and shape_of(ph) is not None else None
+        if state is not None and b > _WHOLE_FACTOR * state:
             whole.add(name)
     plans = [p for p in plans if p[2] not in whole]  # a region undone whole needs no entries
     if not plans:
         facts.journal = WriteJournal(None, (), frozenset(whole))
         return gm
     device = facts.region_buffers[plans[0][2]].device if plans[0][2] in facts.region_buffers else None
-    flags_attr = register_tensor(gm, f"{JOURNAL_PREFIX}flags_", torch.zeros(len(plans), dtype=torch.bool, device=device))
+    flags = torch.zeros(len(plans), dtype=torch.bool, device=device)
+    flags_attr = register_tensor(gm, f"{JOURNAL_PREFIX}flags_", flags)
     entries = []
     for slot, (n, w, name, kind, (op_kind, chain, dim, index, shape, dtype)) in enumerate(plans):
         old_attr = register_tensor(gm, f"{JOURNAL_PREFIX}old_", torch.zeros(shape, dtype=dtype, device=device))
@@ -205,7 +209,8 @@ def _chain(w: Node, roots: Mapping[Node, tuple[str, str]]) -> tuple[tuple, Node]
         if not is_view(node) or not node.args or not isinstance(node.args[0], Node):
             return None
         rest = node.args[1:]
-        if any(isinstance(a, Node) for a in _flatten(rest)) or any(isinstance(v, Node) for v in _flatten(node.kwargs.values())) \
+        consts = _flatten(rest) + _flatten(node.kwargs.values())
+        if any(isinstance(a, Node) for a in consts) \
                 or any(not isinstance(a, (int, float, bool, type(None), torch.dtype, torch.memory_format))
                        for a in _flatten(rest)):
             return None
