@@ -157,8 +157,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cuda-connections", type=int, default=32,
                     help="CUDA_DEVICE_MAX_CONNECTIONS of the SRc workers (default 32, the most; 0: the driver's 8)")
     ap.add_argument("--scripts", type=int, default=4)
-    ap.add_argument("--no-journal", action="store_true",
-                    help="optimize(..., journal=False): no undo journal in the graphs (shared sessions never use it)")
+    ap.add_argument("--journal", action="store_true",
+                    help="optimize(..., journal=True): the undo journal in the graphs (for --pin; shared sessions never use it)")
     ap.add_argument("--pin", action="store_true",
                     help="pin each SRc session to a lane of its own while lanes last (no state copies per call; "
                          "the sessions beyond lanes - 1 share the rest)")

@@ -267,7 +267,7 @@ def optimized_bench(args, device: str) -> tuple[MoshiBench, Conversations, dict]
             replay = CudaGraphBackend(branches=args.branches, blas_streams=args.blas_streams)
         t0 = time.perf_counter()
         progs[s] = cf.optimize(eps, contracts[s], lanes=args.lanes, replay=replay,
-                               journal=not getattr(args, "no_journal", False))
+                               journal=getattr(args, "journal", False))
         facts["optimize_s"][s] = time.perf_counter() - t0
         del eps
         print(f"[moshi] {s}: export {facts['export_s'][s]:.1f} s, optimize {facts['optimize_s'][s]:.1f} s "

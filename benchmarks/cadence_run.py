@@ -81,7 +81,7 @@ class Run(SoloDigests):
         a = self.args
         common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
                   "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else []),
-                  *(["--no-journal"] if a.no_journal else []),
+                  *(["--journal"] if a.journal else []),
                   *(["--artifact", a.artifact] if a.artifact else [])]
         return [Worker(g, [sys.executable, str(ENTRY), "--worker", str(g)] + common + passthrough(a),
                        worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
@@ -151,7 +151,7 @@ class Run(SoloDigests):
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
                     row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams,
                                cuda_connections=a.cuda_connections, join_live=a.join_live,
-                               pin=a.pin, journal=not a.no_journal,
+                               pin=a.pin, journal=a.journal,
                                host=[p.get("host") for p in parts],
                                gpu_ids=[w.g for w in grp],
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,

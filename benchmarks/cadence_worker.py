@@ -95,7 +95,7 @@ def build_program(cf, bench: Bench, args, replay: object) -> tuple[object, float
     eps = bench.export()
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    prog = cf.optimize(eps, bench.contract, lanes=args.lanes, replay=replay, journal=not args.no_journal)
+    prog = cf.optimize(eps, bench.contract, lanes=args.lanes, replay=replay, journal=args.journal)
     optimize_s = time.perf_counter() - t0
     del eps
     if args.artifact:

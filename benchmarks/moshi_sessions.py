@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--throughput", default="1,2,4", help="N sessions at once for the frames-per-second rows")
     ap.add_argument("--reduced", action="store_true")
     ap.add_argument("--branches", type=int, default=1)
-    ap.add_argument("--no-journal", action="store_true", help="optimize(..., journal=False)")
+    ap.add_argument("--journal", action="store_true", help="optimize(..., journal=True): the undo journal")
     ap.add_argument("--pin", action="store_true", help="pin every session to a lane of its own (no state copies)")
     ap.add_argument("--blas-streams", type=int, default=None)
     ap.add_argument("--refs", default="eager,vendor", help="stock references to stream (eager is ~5x slower)")

@@ -364,7 +364,7 @@ class OptimizedProgram:
 
 def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Contract, *,
              verify: bool = False, replay: Replay | Any = "auto", state: bool = True,
-             lanes: int = 1, transactional: bool = True, journal: bool | None = None) -> OptimizedProgram:
+             lanes: int = 1, transactional: bool = True, journal: bool = False) -> OptimizedProgram:
     """Rewrite a streaming step under ``contract`` and return a drop-in replacement for ``ep.module()``.
 
     Args:
@@ -385,8 +385,9 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
         transactional: a default-program call (``prog(...)``) that raises leaves the state exactly as
             before it. Off, a call that raises leaves the regions undefined. Session calls are
             transactions either way: a shared session's lane buffers are scratch until its commit.
-        journal: the graphs save what each region write overwrites, the undo of the default program's
-            and pinned sessions' calls (``passes.journal_writes``); default ``transactional``.
+        journal: the graphs save what each region write overwrites: the undo of the default program's and
+            pinned sessions' calls moves that, not whole regions (``passes.journal_writes``; off: it costs
+            Moshi's chain of small kernels more than the copies it saves, docs/benchmarks.md session 22).
 
     Raises:
         ContractError: the contract is inconsistent with itself or with the exported programs.
@@ -395,6 +396,5 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
     if not eps:
         raise ContractError("optimize: no exported program given")
     check_lanes(lanes)  # before the source folds the programs' shared weights
-    source = PassesSource(eps, contract, verify=verify, state=state,
-                          journal=transactional if journal is None else journal)
+    source = PassesSource(eps, contract, verify=verify, state=state, journal=journal)
     return OptimizedProgram(source, replay=replay, lanes=lanes, transactional=transactional)

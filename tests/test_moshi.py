@@ -248,7 +248,7 @@ def test_pinned_sessions_undo_a_fault_after_the_ring_writes_and_stay_exact(stack
     """Pinned sessions keep their rings in their lanes' buffers; a call that raises after writing
     them puts back only what it overwrote (the journal: one slot per ring), and the stream is the
     stock one."""
-    progs = {n: cf.optimize(stack.eps[n], stack.contracts[n], replay="off", lanes=3) for n in NAMES}
+    progs = {n: cf.optimize(stack.eps[n], stack.contracts[n], replay="off", lanes=3, journal=True) for n in NAMES}
     seeds = (11, 12)
     pcm = {s: mo.user_audio(7, seed=s) for s in seeds}
     sessions = {s: {n: progs[n].session(f"{n}-{s}", seed=s, pin=True) for n in NAMES} for s in seeds}

@@ -53,10 +53,11 @@ def _stream(session, model, seed, calls, ptrs=None):
     return sha256([t for o in outs for t in o])
 
 
+@pytest.mark.parametrize("journal", [False, True])
 @pytest.mark.parametrize("replay", ["fake", "off"])
-def test_pinned_and_shared_sessions_interleaved_are_each_their_own_solo_run(setup, replay):
+def test_pinned_and_shared_sessions_interleaved_are_each_their_own_solo_run(setup, replay, journal):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend() if replay == "fake" else "off", lanes=3)
+    prog = cf.optimize(eps, contract, replay=FakeBackend() if replay == "fake" else "off", lanes=3, journal=journal)
     a, b = prog.session("a", pin=True), prog.session("b", pin=True)
     c = prog.session("c")  # not pinned: lane 0 is the only lane left to it
     assert {a.lane.index, b.lane.index} == {1, 2} and c.lane is None
@@ -80,7 +81,7 @@ def test_pinned_and_shared_sessions_interleaved_are_each_their_own_solo_run(setu
 
 def test_a_pinned_call_copies_no_state_and_saves_less_than_its_state(setup, monkeypatch):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2, journal=True)
     s = prog.session("p", pin=True)
     copies, saved = [], []
     real_copy, real_undo = cf.runtime.sessions.copy_states, transaction.CallUndo.__init__
@@ -108,14 +109,34 @@ def test_a_pinned_call_copies_no_state_and_saves_less_than_its_state(setup, monk
                for (whole, total), before in zip(saved[1:], live))
 
 
+@pytest.mark.parametrize("journal", [False, True])
 @pytest.mark.parametrize("exc", [Fault, KeyboardInterrupt])
 @pytest.mark.parametrize("replay", ["fake", "off"])
-def test_a_fault_at_any_op_of_a_pinned_call_is_undone_and_the_retry_is_exact(setup, replay, exc):
+def test_a_fault_at_any_op_of_a_pinned_call_is_undone_and_the_retry_is_exact(setup, replay, exc, journal):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend() if replay == "fake" else "off", lanes=2)
+    prog = cf.optimize(eps, contract, replay=FakeBackend() if replay == "fake" else "off", lanes=2, journal=journal)
     fired, checked = _fault_every_op(model, eps, prog.session("p", pin=True), stride=1 if exc is Fault else 3,
                                      exc=exc)
     assert fired > 20 and checked == 3
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("replay", ["fake", "off"])
+def test_a_fault_at_any_op_of_a_default_call_with_the_journal_is_undone(setup, replay, lanes):
+    """The default program keeps its state in lane 0: with the journal, its undo puts back what each
+    write overwrote (the regions it cannot journal are copied whole)."""
+    model, contract, eps = setup
+    prog = cf.optimize(eps, contract, replay=FakeBackend() if replay == "fake" else "off", lanes=lanes, journal=True)
+    assert any(e.facts.journal.entries for e in prog.lanes.lanes[0].catalog.values())
+    fired, checked = _fault_every_op(model, eps, prog, stride=1)
+    assert fired > 20 and checked == 3
+
+
+def test_without_the_journal_no_graph_holds_one(setup):
+    model, contract, eps = setup
+    prog = cf.optimize(eps, contract, replay="off", lanes=2)
+    assert all(e.facts.journal is None for ln in prog.lanes.lanes for e in ln.catalog.values())
+    assert prog.memory_census()["journal"] == 0
 
 
 def test_pinning_is_refused_once_lanes_run_out_and_close_gives_the_lane_back(setup):
@@ -148,7 +169,7 @@ def test_a_pinned_sessions_state_is_refused_by_another_session(setup):
 
 def test_a_pinned_session_snapshot_restore_replays_exactly(setup):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=2, journal=True)
     s = prog.session("p", pin=True)
     state = _prompt_state(model, 1)
     for k in range(2):
@@ -162,7 +183,7 @@ def test_a_pinned_session_snapshot_restore_replays_exactly(setup):
 
 def test_pinned_sessions_on_threads_are_each_exact(setup):
     model, contract, eps = setup
-    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=4)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), lanes=4, journal=True)
     digests = {}
     sessions = {seed: prog.session(f"t{seed}", pin=seed < 13) for seed in (11, 12, 13, 14)}
     threads = [threading.Thread(target=lambda seed=seed: digests.__setitem__(seed, _stream(sessions[seed], model,

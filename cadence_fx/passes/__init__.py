@@ -39,7 +39,7 @@ class PassConfig:
     state_rule: bool = True  # off: regions stay as the program allocates them (the paper's R cells)
     verify: bool = False     # shadow-run the stock concatenations and compare (needs the state rule)
     auditor: "Auditor | None" = None
-    journal: bool = True     # save what each write into a region overwrites (passes.journal_writes)
+    journal: bool = False    # save what each write into a region overwrites (passes.journal_writes)
 
 
 @dataclass
