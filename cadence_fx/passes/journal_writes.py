@@ -24,9 +24,12 @@ before. The runtime zeroes the flags before every call it may have to undo.
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any, Mapping, Sequence
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from cadence_fx.analysis.aliases import storage_root, written_in_place
@@ -248,10 +251,12 @@ def _fake_mode_tensor(gm: GraphModule, t: torch.Tensor) -> Any:
 
 
 def _mode(gm: GraphModule) -> Any:
-    from torch._guards import detect_fake_mode
-    vals = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    # the first recorded values name the graph's fake mode: walking every node per journal buffer
+    # would make the pass quadratic in a 7B LM's graph
+    vals = list(itertools.islice((n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)),
+                                 64))
     try:
-        return detect_fake_mode(vals[:64])
+        return detect_fake_mode(vals)
     except Exception:  # noqa: BLE001 - no fake mode: the nodes go without a value
         return None
 
@@ -260,7 +265,6 @@ def _fake(node: Node, op: Any, args: tuple) -> None:
     vals = [a.meta.get("val") if isinstance(a, Node) else a for a in args]
     if any(isinstance(a, Node) and not isinstance(v, torch.Tensor) for a, v in zip(args, vals)):
         return
-    from torch._guards import detect_fake_mode
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
         return
