@@ -33,7 +33,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 from cadence_fx.analysis.aliases import storage_root, written_in_place
-from cadence_fx.analysis.graph_io import register_tensor, shape_of
+from cadence_fx.analysis.graph_io import numel, register_tensor, shape_of
 from cadence_fx.analysis.ops import aten, is_mutating, is_view, overload_name, written_args
 from cadence_fx.annotations import JOURNAL_PREFIX
 from cadence_fx.passes import PassContext
@@ -189,10 +189,7 @@ def _destination(chain: tuple, root: Node, roots: Mapping[Node, tuple[str, str]]
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return numel(shape) * dtype.itemsize
 
 
 def _chain(w: Node, roots: Mapping[Node, tuple[str, str]]) -> tuple[tuple, Node] | None:

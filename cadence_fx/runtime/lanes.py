@@ -172,7 +172,8 @@ class LanePool:
         with self._free:
             while True:
                 if index is None:
-                    candidates = [ln for ln in self.lanes if ln.index not in self._offline and ln.index not in self._pinned]
+                    held = self._offline | self._pinned
+                    candidates = [ln for ln in self.lanes if ln.index not in held]
                 else:
                     candidates = [ln for ln in self.lanes if ln.index == index]
                 free = [ln for ln in candidates if ln.index not in self._busy]

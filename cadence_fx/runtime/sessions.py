@@ -158,11 +158,7 @@ class Session:
                 if done is not None:
                     done.record()
                     self._done = done
-        if lane.stream is not None:  # outputs allocated on the lane's stream are read on the caller's
-            caller = torch.cuda.current_stream(lane.stream.device)
-            for t in outs:
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                    t.record_stream(caller)
+        _to_caller(lane, outs)
         return type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
 
     def _run_pinned(self, lane: Lane, entry: Entry, flat: list[Any], sources: dict[str, torch.Tensor]) -> Any:
@@ -171,6 +167,8 @@ class Session:
         state in place; if it raises, the undo puts back what it overwrote."""
         program = self.program
         program.check_entry(entry)
+        # a state fed as another region's input lives in that region's buffer here: copied first
+        sources = lane.state.stage_crossed(sources)
         with lane.on_stream(), torch.no_grad():
             into, froms, copied = [], [], set()
             for name, site in entry.sites.items():
@@ -193,11 +191,7 @@ class Session:
                 undo.rollback()
                 raise
             self._returned = returned
-        if lane.stream is not None:
-            caller = torch.cuda.current_stream(lane.stream.device)
-            for t in outs:
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                    t.record_stream(caller)
+        _to_caller(lane, outs)
         return out
 
     # ------------------------------------------------------------------ what the program asks
@@ -293,6 +287,16 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _to_caller(lane: Lane, outs: Sequence[Any]) -> None:
+    """Outputs allocated on the lane's stream are read on the caller's: their memory waits for it."""
+    if lane.stream is None:
+        return
+    caller = torch.cuda.current_stream(lane.stream.device)
+    for t in outs:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            t.record_stream(caller)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
