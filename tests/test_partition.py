@@ -354,3 +354,34 @@ def test_outputs_that_are_module_tensors_survive_partitioning(wrap, tmp_path):
         assert all(torch.equal(a, b) and torch.equal(a, d) for a, b, d in zip(got, want, back))
         c, r, l = got[1], want[1].clone(), back[1]
     assert cf.state_traffic(prog)[0]["regions"]["kv"]["optimized"] is not None  # the public figure
+
+
+def test_a_partition_cut_between_a_regions_view_and_its_write_replays_exact(monkeypatch):
+    """The journal's nodes made without the write's meta fall outside its wrapped invocation, so the
+    partition cuts the invocation: one part returns the view of the region (bound as its attribute) that
+    the next part writes in place, with an eager part between. Replayed after warm-up, the view must be
+    handed on as the region's view (a clone would take the write), so the stream is exact and replays."""
+    from cadence_fx.passes import journal_writes
+    from cadence_fx.testing.demo_model import DemoConfig
+    from tests.helpers import demo_catalog, demo_call, live_view, sha256
+
+    monkeypatch.setattr(journal_writes, "adopt_meta", lambda first, write: None)
+    cfg = DemoConfig()
+    model, contract, eps = demo_catalog(cfg)
+    prog = cf.optimize(eps, contract, replay=FakeBackend(), journal=True)
+    # the cut: the encoder's invocation is two replayed parts in every class
+    assert sum(name.endswith(":L__self__encoder") for name in prog.runners()) == 2 * len(eps)
+    state0 = list(model.initial_state())
+    prog.warmup(torch.zeros(1, cfg.chunk, cfg.dim), *state0, torch.zeros(1, cfg.chunk, cfg.dim))
+    streams = []
+    for fn in (cf.reference(eps), prog):
+        state, outs = [s.clone() for s in state0], []
+        torch.manual_seed(1)
+        for k in range(6):
+            o = demo_call(fn, cfg, 1, k, state)
+            outs += [t.clone() for t in live_view(o, {2: {0: cfg.steps}})]
+            state = list(o[1:])
+        streams.append(sha256(outs))
+    assert streams[0] == streams[1]
+    c = prog.counters()
+    assert c["eager"] == 0 and c["replays"] > 0 and not c["rejections"]

@@ -23,7 +23,8 @@ def affine(x, w, b):
 
 def engine(fn, **kw):
     kw.setdefault("backend", FakeBackend())
-    return ExactShapeReplay(fn, name=fn.__name__, **kw)
+    kw.setdefault("name", getattr(fn, "__name__", type(fn).__name__))
+    return ExactShapeReplay(fn, **kw)
 
 
 def args(n=4, d=8, seed=0):
@@ -182,6 +183,57 @@ def test_aliased_buffer_is_written_in_place_and_view_outputs_are_not_cloned():
     assert torch.equal(cache, ref) and torch.equal(view, ref_view) and torch.equal(total, ref_total)
     assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     assert e.counters.replays == 1
+
+
+class HeldCache(torch.nn.Module):
+    """A cache in a module buffer: the call returns a view of it (as a partition returns a view of a region
+    bound as its attribute) and a view of its read-only input."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 6))
+
+    def forward(self, x):
+        return self.cache[1:3], x[:, 1:].t(), (x * 2).sum()
+
+
+@pytest.mark.parametrize("arena", [False, True])
+def test_outputs_viewing_held_or_read_only_argument_memory_alias_it_as_eager(arena):
+    """An output viewing a buffer the callable holds is that buffer's view, not a clone; an output viewing
+    a staged (read-only) argument is the same view of the caller's argument, not of the staging buffer.
+    A later in-place write through either reaches the memory it reaches eagerly."""
+    from cadence_fx.runtime.staging import StagingArena
+
+    m = HeldCache()
+    e = engine(m, name="held", arena=StagingArena() if arena else None)
+    x0 = torch.randn(6, 5)
+    assert e.capture(x0.clone()).admitted
+    for k in range(3):
+        x = torch.randn(6, 5)
+        held, window, total = e(x)
+        assert e.counters.replays == k + 1
+        ref_held, ref_window, ref_total = m.cache[1:3], x[:, 1:].t(), (x * 2).sum()
+        for got, ref in ((held, ref_held), (window, ref_window)):
+            assert got.data_ptr() == ref.data_ptr() and got.stride() == ref.stride() and torch.equal(got, ref)
+        assert torch.equal(total, ref_total) and total.data_ptr() != ref_total.data_ptr()
+        before = x[:, 1:].clone()
+        held.add_(1.0)  # what a journal or a ring write in the next partition does
+        window.mul_(-1.0)
+        assert torch.equal(m.cache[1:3], torch.full((2, 6), float(k + 1))) and torch.equal(x[:, 1:], -before)
+
+
+def test_an_output_no_view_of_the_callers_argument_gives_is_not_captured():
+    """A dtype view of a staged argument cannot be handed back as eager hands it: the class is refused,
+    counted, and its calls run eagerly."""
+    def bits(x):
+        return x.view(torch.int32), x + 1
+
+    e = engine(bits)
+    x = torch.randn(4, 4)
+    report = e.capture(x)
+    assert not report.admitted and report.reason == "capture_failed" and "views staged argument 0" in report.error
+    out, _ = e(x)
+    assert out.data_ptr() == x.data_ptr() and e.counters.rejections["capture_failed"] == 1
 
 
 def test_pointer_drift_invalidates_only_that_class():

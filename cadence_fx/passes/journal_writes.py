@@ -126,17 +126,24 @@ def journal_writes(gm: GraphModule, ctx: PassContext) -> GraphModule:
             _fake(flag, aten.select.int, (flags, 0, slot))
             done = graph.call_function(aten.fill_.Scalar, (flag, True))
             done.meta["val"] = flag.meta.get("val")
-        # the journal's nodes belong where the write does: its wrapped invocation, so its partition
-        new = first.next
-        while new is not n:
-            for k, v in n.meta.items():
-                if k != "val":
-                    new.meta.setdefault(k, v)
-            new = new.next
+        adopt_meta(first, n)
         entries.append(JournalEntry(name, kind, chain, op_kind, dim, old_attr, idx_attr, slot))
     facts.journal = WriteJournal(flags_attr, tuple(entries), frozenset(whole))
     ctx.record("journal_writes", len(entries))
     return gm
+
+
+def adopt_meta(first: Node, write: Node) -> None:
+    """The journal's nodes (after ``first``, up to ``write``) take the write's meta: they belong where
+    the write does, its wrapped invocation, so its partition. (Without it the partition once cut the
+    invocation between a region's view and its write; the replay hands such views back as views,
+    ``runtime.output_views``, so that cut is exact too, only slower.)"""
+    new = first.next
+    while new is not write:
+        for k, v in write.meta.items():
+            if k != "val":
+                new.meta.setdefault(k, v)
+        new = new.next
 
 
 def _plan(n: Node, w: Node, roots: Mapping[Node, tuple[str, str]], buffers: Mapping[str, torch.Tensor]

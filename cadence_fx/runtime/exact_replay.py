@@ -31,6 +31,7 @@ from cadence_fx.determinism import bits_equal
 from cadence_fx import kernel_settings
 from cadence_fx.kernel_settings import key as _kernel_key
 from cadence_fx.runtime.backends import CudaGraphBackend, ReplayBackend
+from cadence_fx.runtime.output_views import OutputPlan, hand_out, held_storages, plan_outputs
 from cadence_fx.runtime.replay_reports import ClassReport, ReplayCounters, Signature
 from cadence_fx.runtime.rng import host_rng, host_rng_equal, replaying_draws, set_host_rng
 from cadence_fx.runtime.staging import ALIGN, Stage, StagingArena, span_of, staging_buffer
@@ -63,7 +64,7 @@ class _Graph:
     stages: tuple[Stage, ...]
     static_outputs: list[torch.Tensor | None]
     rebuild: Callable[[list], Any]
-    keep: tuple[bool, ...]  # outputs viewing an aliased buffer: returned as-is
+    outputs: tuple[OutputPlan, ...]  # how each output is handed back (runtime.output_views)
 
 
 def flatten_outputs(out: Any) -> tuple[list[torch.Tensor | None], Callable[[list], Any]]:
@@ -204,8 +205,7 @@ class ExactShapeReplay:
             g.replay()
             for i in g.report.copy_back:
                 args[i].copy_(g.static_args[i])
-            outs = [o.clone() if o is not None and self.clone_outputs and not keep else o
-                    for o, keep in zip(g.static_outputs, g.keep)]
+            outs = hand_out(g.static_outputs, g.outputs, args, self.clone_outputs)
             self.counters.replays += 1
         return g.rebuild(outs)
 
@@ -324,6 +324,9 @@ class ExactShapeReplay:
             phases["capture"] = time.perf_counter() - start - phases["probe"] - phases["stage_and_warmup"]
             self._restore(rng, static_tensors, saved, static_tensors, versions)
             static_outputs, rebuild = flatten_outputs(outputs)
+            # outputs that view memory outliving the replay are handed back as the eager run's views
+            persistent = held_storages(self.fn) | {_storage_ptr(args[i]) for i in self.aliased} - {0}
+            plans = plan_outputs(static_outputs, static_args, [i for i, _ in staged], persistent)
         except Exception as exc:
             try:
                 self._restore(rng, tensors, saved, set(self.aliased) & set(saved), versions)
@@ -334,7 +337,6 @@ class ExactShapeReplay:
         del saved
 
         staged_at = tuple(st.index for st in stages)
-        owned = {_storage_ptr(args[i]) for i in self.aliased} - {0}
         report = ClassReport(
             key, True, effect="device_rng" if device_changed else "pure",
             capture_seconds=time.perf_counter() - start, phase_seconds=phases, graph_bytes=graph_bytes,
@@ -343,8 +345,7 @@ class ExactShapeReplay:
             copy_back=tuple(sorted(i for i in mutated if i in staged_at)),
             snapshotted=snapshotted,
         )
-        keep = tuple(o is not None and _storage_ptr(o) in owned for o in static_outputs)
-        self._graphs[key] = _Graph(report, replay, static_args, tuple(stages), static_outputs, rebuild, keep)
+        self._graphs[key] = _Graph(report, replay, static_args, tuple(stages), static_outputs, rebuild, plans)
         if self.verdicts is not None:
             self.verdicts.setdefault(key, ProbeVerdict(device_changed, frozenset(mutated)))
         self.classes[key] = report

@@ -37,8 +37,8 @@ class StagingArena:
     """Device memory that the staged arguments of a set of engines share (the runners of one lane).
 
     The engines of one lane replay one at a time, in the order of one stream. Every replay loads its
-    staged arguments just before it runs, and the outputs that view them are cloned before the next
-    engine runs. So their classes can stage into the same bytes: the lane holds the largest class's
+    staged arguments just before it runs, and the outputs that view them are handed back as views of
+    the callers' arguments (:mod:`cadence_fx.runtime.output_views`), never of the arena. So their classes can stage into the same bytes: the lane holds the largest class's
     staging, not the sum over every class of every engine. (Without the state rule, a solver's history
     passed to each of ten step graphs was staged once per graph.)
 
