@@ -397,3 +397,34 @@ def test_l_branched_capture_with_a_host_tensor_read_on_two_streams():
         x = inputs(16, i + 1)
         assert torch.equal(e(x, w), host_tensor_across_branches(x, w)), f"call {i}"
     print(f"[replay-cuda] (l) host tensor across branches: captured, {e.branch_plan.moved} kernel(s) moved, bit-exact")
+
+
+class _HeldCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, D, device="cuda"))
+
+    def forward(self, x):
+        return self.cache[1:3], x[0, 1:].t(), torch.tanh(x).sum()
+
+
+def test_i_outputs_viewing_held_or_staged_memory_alias_it_as_eager():
+    """Through real graphs: an output viewing the callable's own buffer is that buffer's view, and an
+    output viewing a read-only (staged) argument is the same view of the caller's argument; in-place
+    writes through them reach that memory, as eager's do."""
+    m = _HeldCache()
+    e = ExactShapeReplay(m, name="held", backend=CudaGraphBackend())
+    assert e.capture(inputs(T, 0)).admitted
+    for k in range(CALLS):
+        x = inputs(T, k + 1)
+        held, window, total = e(x)
+        for got, ref in ((held, m.cache[1:3]), (window, x[0, 1:].t())):
+            assert got.data_ptr() == ref.data_ptr() and got.stride() == ref.stride() and torch.equal(got, ref)
+        assert torch.equal(total, torch.tanh(x).sum())
+        before = x[0, 1:].clone()
+        held.add_(1.0)
+        window.mul_(-1.0)
+        assert torch.equal(m.cache[1:3], torch.full((2, D), float(k + 1), device="cuda"))
+        assert torch.equal(x[0, 1:], -before)
+    assert e.counters.replays == CALLS and e.counters.eager == 0
+    print(f"[replay-cuda] held and staged views: {CALLS} replays, aliasing as eager")

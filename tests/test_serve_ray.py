@@ -713,29 +713,32 @@ T2W_CHUNKS = 5  # the attention histories at 16, 26, 36 frames, then trimmed: ev
 @pytest.fixture(scope="module")
 def token2wav(tmp_path_factory):
     """The reduced Token2Wav (stepaudio2 0.1.2, random weights) at the chunk clock, saved once for the
-    session: the export and the artifact the upstream and artifact tests share (the module pytest
-    collected, tests/ on sys.path)."""
-    from test_upstream_cpu import full_step_0_1_2, saved_chunk_program_0_1_2
+    run: the artifact the artifact tests save (their worker's file, read here when it is there: the
+    module pytest collected, tests/ on sys.path), and the stock step it was exported from."""
+    from test_upstream_cpu import shared_chunk_artifact_0_1_2, upstream
 
-    from cadence_fx.adapters.token2wav import Token2WavConfig
+    from cadence_fx.adapters.token2wav import Token2WavConfig, Token2WavStep, build_flow, build_vocoder, example_prompt
 
     cfg = Token2WavConfig.reduced()
-    step, prompt_args, state, _fresh, _contract, eps = full_step_0_1_2(cfg)
-    contract, _prog, path, digest = saved_chunk_program_0_1_2(cfg, tmp_path_factory)
-    return step, prompt_args[2], state, contract, eps, str(path), digest
+    contract, path, digest = shared_chunk_artifact_0_1_2(cfg, tmp_path_factory)
+    up = upstream("0.1.2")
+    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    prompt_args = example_prompt(cfg)
+    return step, prompt_args[2], step.setup(*prompt_args), contract, str(path), digest
 
 
-def token2wav_solo(step, state, eps, fresh, seed: int) -> list:
-    """A conversation run alone through the unmodified exported programs, seeded as its session is (HiFT
-    draws: the same numbers), on one thread as the workers (a float sum's order depends on it)."""
-    from cadence_fx.adapters.token2wav import CatalogReference, run_stream
+def token2wav_solo(step, state, fresh, seed: int) -> list:
+    """A conversation run alone through the stock step (``stock_call``: the driver's work, eagerly; the
+    upstream tests check it gives the exported programs' bytes), seeded as its session is (HiFT draws:
+    the same numbers), on one thread as the workers (a float sum's order depends on it)."""
+    from cadence_fx.adapters.token2wav import run_stream
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            return run_stream(CatalogReference(eps), step, state, fresh)
+            return run_stream(step.stock_call, step, state, fresh)
     finally:
         torch.set_num_threads(threads)
 
@@ -749,7 +752,7 @@ def test_token2wav_conversations_placed_moved_and_failed_over_give_their_solo_pc
     stream is its solo run's through the stock exported programs, seeded the same."""
     from cadence_fx.serve.controller import ServeController
 
-    step, spk, state, contract, eps, path, digest = token2wav
+    step, spk, state, contract, path, digest = token2wav
     config = WorkerConfig(path, sha256=digest, lanes=1, replay="off", capacity=2, threads=1)
     policy = ControllerConfig(checkpoint=CheckpointPolicy(every=2), health_interval_s=0.5)
     # start_controller's steps, the workers' start (load, warm-up) left running while the solo runs go
@@ -758,7 +761,7 @@ def test_token2wav_conversations_placed_moved_and_failed_over_give_their_solo_pc
     try:
         seeds = {"t0": 5, "t1": 6}
         fresh = {c: step.fresh(T2W_CHUNKS, spk, seed=s) for c, s in seeds.items()}
-        solo = {c: token2wav_solo(step, state, eps, fresh[c], s) for c, s in seeds.items()}
+        solo = {c: token2wav_solo(step, state, fresh[c], s) for c, s in seeds.items()}
         ray.get(joining)
         router = Router(ctl)
         initial = {r.name: state[r.input] for r in contract.regions}

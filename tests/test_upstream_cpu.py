@@ -13,7 +13,11 @@ the tests skip when they are missing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -31,6 +35,9 @@ from cadence_fx.adapters.stepaudio2 import load_stepaudio2
 from cadence_fx.determinism import sha256_tensors
 
 pytestmark = pytest.mark.upstream
+# the tests that read full_step_0_1_2's catalog run on the worker that runs the artifact tests, which
+# read it too (tests/conftest.py: every other test here is a unit of its own)
+SHARES_THE_CATALOG = pytest.mark.xdist_group("token2wav")
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = Path(os.environ.get("CADENCE_FX_UPSTREAM", REPO / ".upstream"))
@@ -223,9 +230,42 @@ def saved_chunk_program_0_1_2(cfg, tmp_path_factory):
         prog = cf.optimize(eps, contract, replay="off")
         path = tmp_path_factory.mktemp("token2wav-artifact") / "token2wav.cfx"
         _SAVED[key] = contract, prog, path, cf.save(prog, path)["sha256"]
+        with _shared_artifact(tmp_path_factory, key) as (shared, digest_file):
+            if not digest_file.exists():
+                shutil.copyfile(path, shared)
+                digest_file.write_text(_SAVED[key][3])
     return _SAVED[key]
 
 
+@contextlib.contextmanager
+def _shared_artifact(tmp_path_factory, key: str):
+    """The session's one place for the saved chunk program, which every pytest-xdist worker of the run
+    sees (their base temp's parent), held under a file lock: ``(artifact path, digest file)``."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
+    with open(root / f"token2wav-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield root / f"token2wav-{name}.cfx", root / f"token2wav-{name}.sha256"
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def shared_chunk_artifact_0_1_2(cfg, tmp_path_factory) -> tuple[cf.Contract, Path, str]:
+    """:func:`saved_chunk_program_0_1_2`'s artifact for a test that only loads it (the serving tests):
+    ``(contract, path, sha256)``, from the file another worker of this run saved when there is one (the
+    export and the optimize are a minute and a half on the CPU), else saved here."""
+    key = repr(cfg)
+    contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
+    with _shared_artifact(tmp_path_factory, key) as (shared, digest_file):
+        if digest_file.exists():
+            return contract, shared, digest_file.read_text()
+    contract, _prog, path, digest = saved_chunk_program_0_1_2(cfg, tmp_path_factory)
+    return contract, path, digest
+
+
+@SHARES_THE_CATALOG
 def test_full_step_0_1_2(cfg):
     """Flow chunk + both trims + HiFT (mel/source/speech caches, fade, device randomness), chunk clock,
     verify mode, and a mid-stream rollback to an earlier snapshot (foreign tensors copied in)."""
@@ -269,6 +309,7 @@ def step_catalog(cfg):
     return full_step_0_1_2(cfg)
 
 
+@SHARES_THE_CATALOG
 def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     """``step_segments=False``: the CFM loop is one partition (one graph); same bits."""
     from cadence_fx.testing.fake_backend import FakeBackend
@@ -284,6 +325,7 @@ def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     assert len(flow) == 2 * 3 and all(e.counters.eager == 0 and e.counters.replays > 0 for e in flow.values())
 
 
+@SHARES_THE_CATALOG
 @pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
 def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segments):
     """0.1.2 through the fake replay backend, one graph per solver step: at the step clock (each step's
@@ -428,7 +470,7 @@ def test_token2wav_example_streams_bit_identical(capsys):
     spec = importlib.util.spec_from_file_location("token2wav_example", REPO / "examples" / "token2wav.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    assert example.main(["--reduced", "--chunks", "4"]) is True
+    assert example.main(["--reduced", "--chunks", "2"]) is True  # two catalog classes: each export is a minute
     assert "bit-identical        : True" in capsys.readouterr().out
 
 
