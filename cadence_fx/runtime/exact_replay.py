@@ -32,6 +32,7 @@ from cadence_fx import kernel_settings
 from cadence_fx.kernel_settings import key as _kernel_key
 from cadence_fx.runtime.backends import CudaGraphBackend, ReplayBackend
 from cadence_fx.runtime.output_views import OutputPlan, hand_out, held_storages, plan_outputs
+from cadence_fx.runtime.output_views import storage_ptr as _storage_ptr
 from cadence_fx.runtime.replay_reports import ClassReport, ReplayCounters, Signature
 from cadence_fx.runtime.rng import host_rng, host_rng_equal, replaying_draws, set_host_rng
 from cadence_fx.runtime.staging import ALIGN, Stage, StagingArena, span_of, staging_buffer
@@ -74,10 +75,6 @@ def flatten_outputs(out: Any) -> tuple[list[torch.Tensor | None], Callable[[list
         kind = type(out)
         return list(out), (lambda xs: kind(xs))
     raise TypeError(f"unsupported output type {type(out).__name__}: expected a tensor or a tuple/list of tensors")
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 class ExactShapeReplay:
@@ -325,7 +322,8 @@ class ExactShapeReplay:
             self._restore(rng, static_tensors, saved, static_tensors, versions)
             static_outputs, rebuild = flatten_outputs(outputs)
             # outputs that view memory outliving the replay are handed back as the eager run's views
-            persistent = held_storages(self.fn) | {_storage_ptr(args[i]) for i in self.aliased} - {0}
+            in_place = {_storage_ptr(args[i]) for i in self.aliased} - {0}
+            persistent = held_storages(self.fn) | in_place
             plans = plan_outputs(static_outputs, static_args, [i for i, _ in staged], persistent)
         except Exception as exc:
             try:

@@ -26,14 +26,15 @@ import torch
 
 from cadence_fx.runtime.staging import span_of
 
-__all__ = ["CLONE", "KEEP", "OutputPlan", "held_storages", "hand_out", "plan_outputs"]
+__all__ = ["CLONE", "KEEP", "OutputPlan", "held_storages", "hand_out", "plan_outputs", "storage_ptr"]
 
 KEEP = "keep"
 CLONE = "clone"
 OutputPlan = Union[str, tuple[int, int]]
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
+def storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (0 for none): what two views of one buffer share."""
     return t.untyped_storage().data_ptr()
 
 
@@ -46,7 +47,7 @@ def held_storages(fn: Any) -> frozenset[int]:
     for m in fn.modules():
         tensors = [*m._parameters.values(), *m._buffers.values(),
                    *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]
-        out.update(_storage_ptr(t) for t in tensors if t is not None)
+        out.update(storage_ptr(t) for t in tensors if t is not None)
     out.discard(0)
     return frozenset(out)
 
@@ -64,19 +65,20 @@ def plan_outputs(static_outputs: Sequence[torch.Tensor | None], static_args: Seq
         if o is None:
             plans.append(CLONE)
             continue
-        sp = _storage_ptr(o)
+        sp = storage_ptr(o)
         if sp in persistent:
             plans.append(KEEP)
             continue
         plan: OutputPlan = CLONE
+        in_staging = False
         for i in staged:
             s = static_args[i]
             assert isinstance(s, torch.Tensor)
-            if _storage_ptr(s) != sp:
+            if storage_ptr(s) != sp:
                 continue
+            in_staging = True
             lo, hi = s.data_ptr(), s.data_ptr() + span_of(s) * s.element_size()
-            end = o.data_ptr() + span_of(o) * o.element_size()
-            if not (lo <= o.data_ptr() and end <= hi):
+            if not (lo <= o.data_ptr() and o.data_ptr() + span_of(o) * o.element_size() <= hi):
                 continue  # another argument's bytes in the same arena
             delta = o.data_ptr() - lo
             if o.dtype != s.dtype or delta % s.element_size():
@@ -84,11 +86,9 @@ def plan_outputs(static_outputs: Sequence[torch.Tensor | None], static_args: Seq
                                  f"(argument: {s.dtype}): no view of the caller's argument gives it")
             plan = (i, delta // s.element_size())
             break
-        else:
-            if sp and any(isinstance(static_args[i], torch.Tensor) and _storage_ptr(static_args[i]) == sp
-                          for i in staged):
-                raise ValueError(f"output of shape {tuple(o.shape)} lies in a staging buffer outside every "
-                                 "argument staged there")
+        if plan == CLONE and in_staging:
+            raise ValueError(f"output of shape {tuple(o.shape)} lies in a staging buffer outside every "
+                             "argument staged there")
         plans.append(plan)
     return tuple(plans)
 
