@@ -11,6 +11,7 @@ Latency percentiles are the harness's (:func:`benchmarks.harness.percentile`, ne
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -51,6 +52,45 @@ def busy_fraction(intervals_ns, window_ns: int, clip: tuple[int, int] | None = N
     return union_length(intervals_ns) / (window_ns if clip is not None else max(window_ns, span))
 
 
+def kernel_shape(ev) -> tuple[float, float] | None:
+    """A kernel event's (est. achieved occupancy as a fraction, blocks per SM) from its CUPTI metadata
+    (Kineto's ``metadata_json``: a JSON object's members without the braces), or None."""
+    try:
+        meta = json.loads("{" + ev.metadata_json() + "}")
+        return float(meta["est. achieved occupancy %"]) / 100.0, float(meta["blocks per SM"])
+    except Exception:  # noqa: BLE001 -- an older profiler or another record kind: no figure
+        return None
+
+
+def fill_fractions(intervals, shapes, clip: tuple[int, int]) -> dict:
+    """How full the GPU was over ``clip``, beyond "some kernel was running" (the busy fraction):
+
+    - ``warp_fill``: the kernels' est. achieved occupancy (the share of every SM's warp slots a kernel
+      can hold, from its grid, block and registers) times their time in the window, summed, over the
+      window: 1.0 means kernels held every warp slot of the GPU all the time;
+    - ``sm_fill``: the same with the share of SMs a kernel's grid covers (``min(1, blocks per SM)``).
+
+    Both count only kernels with a CUPTI record (``fill_kernels`` of ``fill_of``); they are upper bounds
+    (a kernel slowed by its neighbours still counts its whole duration)."""
+    lo, hi = clip
+    warp = sm = 0.0
+    seen = total = 0
+    for (s, e), shp in zip(intervals, shapes):
+        if e <= lo or s >= hi:
+            continue
+        total += 1
+        if shp is None:
+            continue
+        seen += 1
+        t = min(e, hi) - max(s, lo)
+        warp += shp[0] * t
+        sm += min(1.0, shp[1]) * t
+    if not seen:
+        return dict(warp_fill=None, sm_fill=None)
+    span = max(1, hi - lo)
+    return dict(warp_fill=warp / span, sm_fill=sm / span, fill_kernels=seen, fill_of=total)
+
+
 class BusyWindow(threading.Thread):
     """A CUDA-activity profiler window of ``seconds`` from ``start`` (perf_counter time).
 
@@ -70,6 +110,10 @@ class BusyWindow(threading.Thread):
         self.perf_start = None
         self.error = None
         self.intervals: list[tuple[int, int]] = []
+        # per kernel, in the order of ``intervals``: (est. achieved occupancy, blocks per SM) from the
+        # kernel's CUPTI record, or None where the profiler gives none (to tell a full GPU from one whose
+        # kernels are merely always there: see :func:`fill_fractions`)
+        self.shapes: list[tuple[float, float] | None] = []
         self.run_over = threading.Event()
 
     @staticmethod
@@ -103,6 +147,7 @@ class BusyWindow(threading.Thread):
                 if "memcpy" in name or "memset" in name:
                     continue
                 self.intervals.append((ev.start_ns(), ev.start_ns() + ev.duration_ns()))
+                self.shapes.append(kernel_shape(ev) if kind == torch.autograd.DeviceType.CUDA else None)
         except Exception as e:  # noqa: BLE001 -- a failed window costs the figure, not the run
             self.error = repr(e)
 
@@ -126,7 +171,8 @@ class BusyWindow(threading.Thread):
         summed = sum(min(e, hi) - max(s, lo) for s, e in self.intervals if e > lo and s < hi)
         # summed kernel time over the window: above the union where lanes' kernels overlap
         return dict(busy_fraction=frac, busy_kernels=inside or len(self.intervals), busy_clock=clock,
-                    busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo))
+                    busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo),
+                    **fill_fractions(self.intervals, self.shapes, (lo, hi)))
 
 
 class NvmlSampler(threading.Thread):

@@ -51,7 +51,8 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
                             p99_ms=harness.percentile(pl, 99), misses=sum(missed(x, period) for x in pl),
                             peak_mib=p.get("peak_mib"), busy_fraction=p.get("busy_fraction"),
                             busy_kernels=p.get("busy_kernels"), busy_clock=p.get("busy_clock"),
-                            kernel_sum_fraction=p.get("kernel_sum_fraction"),
+                            kernel_sum_fraction=p.get("kernel_sum_fraction"), warp_fill=p.get("warp_fill"),
+                            sm_fill=p.get("sm_fill"),
                             busy_window=p.get("busy_window"), busy_error=p.get("busy_error")))
     peaks = [p.get("peak_mib") for p in parts]
     busy = [p.get("busy_fraction") for p in parts if p.get("busy_fraction") is not None]
@@ -100,7 +101,18 @@ def progress(row: dict) -> str:
             f"{row['p99_ms']:.0f} ms misses {row['misses']}/{row['chunks']} exact {row['bitexact']} peak "
             f"{fmt(row['peak_mib'], '.0f')} MiB busy {fmt(row.get('busy_fraction'), '.2f')} nvml "
             f"{fmt(row.get('nvml_util'), '.2f')} join p50/max {fmt(row.get('join_p50_ms'), '.1f')}/"
-            f"{fmt(row.get('join_max_ms'), '.1f')} ms")
+            f"{fmt(row.get('join_max_ms'), '.1f')} ms{fill_line(row)}")
+
+
+def fill_line(row: dict) -> str:
+    """Per GPU: kernels at once (summed kernel time over the union) and how full the kernels kept it."""
+    out = []
+    for p in row.get("per_gpu") or []:
+        b, k = p.get("busy_fraction"), p.get("kernel_sum_fraction")
+        if b and k is not None:
+            out.append(f" gpu {p['gpu']}: at once {k / b:.2f} warp fill {fmt(p.get('warp_fill'), '.2f')} "
+                       f"sm fill {fmt(p.get('sm_fill'), '.2f')}")
+    return ";".join(out)
 
 
 def table(rows: list[dict]) -> str:

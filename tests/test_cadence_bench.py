@@ -36,6 +36,26 @@ def test_union_of_kernel_intervals_counts_overlaps_once():
     assert cadence.busy_fraction([(0, 50), (90, 200), (100, 120)], 100, clip=(50, 150)) == 0.6
 
 
+def test_fill_weighs_each_kernel_by_its_occupancy_and_grid_inside_the_window():
+    from benchmarks.cadence_measure import fill_fractions, kernel_shape
+
+    class Ev:  # a Kineto kernel event: its CUPTI record's members, without the braces
+        def __init__(self, meta):
+            self.meta = meta
+
+        def metadata_json(self):
+            return self.meta
+
+    assert kernel_shape(Ev('"grid": [4, 1, 1], "blocks per SM": 0.5, "est. achieved occupancy %": 25')) == (0.25, 0.5)
+    assert kernel_shape(Ev('"grid": [4, 1, 1]')) is None and kernel_shape(object()) is None
+    # window [0, 100): a full-occupancy kernel over all SMs for 50, a quarter-occupancy half-grid one
+    # for 40 (of which 20 inside), one without a record, one outside
+    got = fill_fractions([(0, 50), (80, 120), (10, 20), (200, 300)],
+                         [(1.0, 3.0), (0.25, 0.5), None, (1.0, 1.0)], (0, 100))
+    assert got == dict(warp_fill=pytest.approx(0.55), sm_fill=pytest.approx(0.6), fill_kernels=2, fill_of=3)
+    assert fill_fractions([(0, 10)], [None], (0, 100)) == dict(warp_fill=None, sm_fill=None)
+
+
 def test_busy_window_starts_and_stops_in_its_thread_and_clips_on_wall_clock():
     """The window thread starts the profiler and, once the run is over, stops it (a profiler session
     belongs to its thread); the clip assumes the profiler's clock is ``time.time_ns``'s. On the CPU
@@ -62,6 +82,7 @@ def test_busy_window_starts_and_stops_in_its_thread_and_clips_on_wall_clock():
     assert got.get("busy_error") is None, got
     assert got["busy_clock"] == "wall" and 0.0 <= got["busy_fraction"] <= 1.0
     assert got["kernel_sum_fraction"] >= got["busy_fraction"]  # the sum counts overlaps, the union once
+    assert got["warp_fill"] is None  # host ops have no CUPTI kernel record
     assert got["busy_window"][0] == pytest.approx(0.05, abs=0.1)
     assert not torch.autograd.profiler._is_profiler_enabled
     # a run that ends before its window opens: no window, no profiler left running
