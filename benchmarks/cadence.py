@@ -147,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--artifact", default=None,
                     help="SRc workers load this saved program (cf.load, --lanes lanes) instead of exporting and "
                          "optimizing; where no file is there yet, the first worker to build one saves it there")
+    ap.add_argument("--full-lanes", type=int, default=None,
+                    help="SRc: only this many lanes capture every catalog class, the others the steady (last) one; "
+                         "a conversation's first chunks run on the full lanes (warmup(full_lanes=...))")
     ap.add_argument("--workers", type=int, default=0, help="serving threads per GPU (default: one per lane)")
     ap.add_argument("--branches", type=int, default=1,
                     help="SRc: streams per captured graph (CudaGraphBackend(branches=N): independent chains in "

@@ -82,6 +82,7 @@ class Run(SoloDigests):
         common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
                   "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else []),
                   *(["--journal"] if a.journal else []),
+                  *(["--full-lanes", str(a.full_lanes)] if a.full_lanes is not None else []),
                   *(["--artifact", a.artifact] if a.artifact else [])]
         return [Worker(g, [sys.executable, str(ENTRY), "--worker", str(g)] + common + passthrough(a),
                        worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
@@ -149,8 +150,8 @@ class Run(SoloDigests):
                     parts = [w.receive() for w in grp]
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
-                    row.update(nvml.result(), lanes=a.lanes, branches=a.branches, blas_streams=a.blas_streams,
-                               cuda_connections=a.cuda_connections, join_live=a.join_live,
+                    row.update(nvml.result(), lanes=a.lanes, full_lanes=a.full_lanes, branches=a.branches,
+                               blas_streams=a.blas_streams, cuda_connections=a.cuda_connections, join_live=a.join_live,
                                pin=a.pin, journal=a.journal,
                                host=[p.get("host") for p in parts],
                                gpu_ids=[w.g for w in grp],

@@ -57,7 +57,7 @@ def run_worker(args) -> None:
         t0 = time.perf_counter()
         prog = cf.load(args.artifact, lanes=args.lanes, replay=replay)
         load_s = time.perf_counter() - t0
-        warm = prog.warmup()["seconds"]
+        warm = prog.warmup(full_lanes=args.full_lanes)["seconds"]
         ready_s = seconds_since_process_start()
         t0 = time.perf_counter()
         bench = build_bench(args, device)
@@ -72,7 +72,7 @@ def run_worker(args) -> None:
         prog, export_s, optimize_s = build_program(cf, bench, args, replay)
         release_unreferenced(bench.step, prog)
         first = bench.step.fresh(1, bench.spk)[0]
-        warm = prog.warmup(*[first.get(n) for n in bench.step.inputs])["seconds"]
+        warm = prog.warmup(*[first.get(n) for n in bench.step.inputs], full_lanes=args.full_lanes)["seconds"]
     if device == "cuda" and args.busy_window > 0:
         # CUPTI torn down and set up again beside CUDA graphs can crash (torch.profiler turns teardown
         # off itself when it knows graphs are in use: here it cannot know), and every N opens a window

@@ -93,7 +93,7 @@ def child(args: argparse.Namespace) -> None:
     io["state"] = {n: t.to(device) for n, t in io["state"].items()}
     io["fresh"] = [{n: t.to(device) for n, t in f.items()} for f in io["fresh"]]
     t_device = time.perf_counter()  # the inputs on the device (the harness's, as above)
-    warm = prog.warmup(*[{**io["fresh"][0], **io["state"]}[n] for n in io["names"]])
+    warm = prog.warmup(*[{**io["fresh"][0], **io["state"]}[n] for n in io["names"]], full_lanes=args.full_lanes)
     _sync()
     t_captured = time.perf_counter()
     pcm, secs = _stream(prog, io["names"], io["state_out"], io["state"], io["fresh"], io["seed"])
@@ -113,7 +113,8 @@ def child(args: argparse.Namespace) -> None:
         "ttfc_server_s": t_first - T_START - (t_load0 - t_envelope),
         "chunk_ms": [s * 1e3 for s in secs], "sha256": sha256_tensors(pcm),
         "modules_from_model_code": blocked, "counters": prog.counters(), "lanes": args.lanes,
-        "lane_capture_s": _lane_capture_seconds(warm), **lanes,
+        "lane_capture_s": _lane_capture_seconds(warm), "lane_phases_s": _lane_phases(warm),
+        "full_lanes": args.full_lanes, **lanes,
     }), flush=True)
 
 
@@ -123,6 +124,19 @@ def _lane_capture_seconds(warm: dict) -> dict[str, float]:
     for name, classes in warm["classes"].items():
         lane = name.split("/", 1)[0] if name.startswith("lane") else "lane0"
         out[lane] = out.get(lane, 0.0) + sum(r.capture_seconds for r in classes.values())
+    return out
+
+
+def _lane_phases(warm: dict) -> dict[str, dict[str, float]]:
+    """Warm-up's capture seconds by lane and phase (probe, staging and eager warm-up, capture), and the
+    classes each lane captured: where a lane's capture time goes."""
+    out: dict[str, dict[str, float]] = {}
+    for name, classes in warm["classes"].items():
+        lane = out.setdefault(name.split("/", 1)[0] if name.startswith("lane") else "lane0", {"graphs": 0})
+        for report in classes.values():
+            lane["graphs"] += 1
+            for phase, sec in report.phase_seconds.items():
+                lane[phase] = lane.get(phase, 0.0) + sec
     return out
 
 
@@ -166,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, default=4, help="chunks streamed by each process")
     ap.add_argument("--reduced", action="store_true", help="reduced sizes (CPU)")
+    ap.add_argument("--full-lanes", type=int, default=None,
+                    help="with --lanes: only this many lanes capture every catalog class, the others the steady "
+                         "(last) one (warmup(full_lanes=...)); default: every lane every class")
     ap.add_argument("--lanes", type=int, default=1,
                     help="lanes of the loaded program (every lane captured before the first chunk; with more "
                          "than one, a session per lane then streams the same chunks, each gated by SHA-256)")
@@ -231,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # the restarted server: a fresh interpreter, timed from its start
     t0 = time.perf_counter()
+    full = ["--full-lanes", str(args.full_lanes)] if args.full_lanes is not None else []
     run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", "--artifact", str(artifact),
-                          "--inputs", str(inputs), "--lanes", str(args.lanes)], capture_output=True, text=True,
+                          "--inputs", str(inputs), "--lanes", str(args.lanes), *full], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     row["child_wall_s"] = time.perf_counter() - t0
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("CHILD ")]

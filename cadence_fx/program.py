@@ -40,10 +40,9 @@ class OptimizedProgram:
     """Callable like ``exported_program.module()``; owns the region buffers and the replay runners.
 
     Outputs that are not state regions are bit-identical to the unmodified program on every call.
-    State outputs are views of contract-owned buffers that the next call overwrites: feed the state
-    a call returns back as it is (used in place), or feed any other tensor (a snapshot restored at a
-    turn boundary) and it is copied into the buffer. A view of a buffer that is not the last
-    returned state (kept from an older call) is refused with :class:`cadence_fx.StaleState`.
+    State outputs are views of contract-owned buffers that the next call overwrites: feed the state a
+    call returns back as it is (used in place), or any other tensor (a snapshot restored at a turn
+    boundary) to be copied in. A view of an older call's state is refused (:class:`cadence_fx.StaleState`).
 
     Many conversations: :meth:`session` hands out sessions with state of their own over the same
     weights and graphs; ``optimize(..., lanes=n)`` builds n graph sets that run session calls at once.
@@ -270,16 +269,18 @@ class OptimizedProgram:
                 f"and output) or keep to one conversation and one lane.")
 
     # ------------------------------------------------------------------ warm-up and census
-    def warmup(self, *example_args: Any) -> dict[str, Any]:
+    def warmup(self, *example_args: Any, full_lanes: int | None = None,
+               steady: Sequence[int] = (-1,)) -> dict[str, Any]:
         """Capture every catalog class on every lane before traffic; all state is left exactly as found.
 
         One call per exported program runs with region inputs of that program's extents; the other
         inputs come from ``example_args`` where their shapes fit and are zeros otherwise (values
-        do not matter for capture, shapes do). Returns the warm-up seconds and per-class reports.
-        """
+        do not matter for capture, shapes do). ``full_lanes``: lanes from that number on capture only
+        the ``steady`` classes (catalog positions), and calls of the others go to lanes that have them
+        (:func:`~cadence_fx.runtime.warmup.warm_up`). Returns the seconds and per-class reports."""
         example_args = tuple(self.buffer_regions.flatten(example_args, {})) if self.buffer_regions else example_args
         return warm_up(self.lanes, self.census, example_args, region_index=self._region_index,
-                       state_rule=self.state_rule, stats=self._stats)
+                       state_rule=self.state_rule, stats=self._stats, full_lanes=full_lanes, steady=steady)
 
     def warmup_in_background(self, *example_args: Any, first: int = 1) -> LaneWarmup:
         """Capture the first ``first`` lanes now and the others on a background thread, beside traffic.
@@ -354,10 +355,9 @@ class OptimizedProgram:
     def verify_weights(self) -> None:
         """Compare every weight a hoisted cone read with its bits at ``optimize`` time (a full read).
 
-        The per-call guard sees in-place edits through the weight itself (``mul_``, ``copy_``,
-        ``load_state_dict``); an edit through ``.data`` bypasses the version counter it reads, and
-        only this check (or optimizing again) catches it. Raises :class:`cadence_fx.WeightsChanged`.
-        """
+        The per-call guard sees in-place edits through the weight (``mul_``, ``copy_``, ``load_state_dict``);
+        one through ``.data`` bypasses its version counter, and only this check (or optimizing again)
+        catches it. Raises :class:`cadence_fx.WeightsChanged`."""
         for fw in self.folded_weights():
             fw.verify()
 
@@ -385,9 +385,9 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
         transactional: a default-program call (``prog(...)``) that raises leaves the state exactly as
             before it. Off, a call that raises leaves the regions undefined. Session calls are
             transactions either way: a shared session's lane buffers are scratch until its commit.
-        journal: the graphs save what each region write overwrites: the undo of the default program's and
-            pinned sessions' calls moves that, not whole regions (``passes.journal_writes``; off: it costs
-            Moshi's chain of small kernels more than the copies it saves, docs/benchmarks.md session 22).
+        journal: the graphs save what each region write overwrites, and the undo of the default program's
+            and pinned sessions' calls moves that, not whole regions (``passes.journal_writes``; off: it
+            costs chains of small kernels more than the copies it saves, docs/benchmarks.md).
 
     Raises:
         ContractError: the contract is inconsistent with itself or with the exported programs.

@@ -72,6 +72,13 @@ class Lane:
     stream: Any = None  # a torch.cuda.Stream on CUDA; None runs on the caller's current stream
     resident: Any = None  # the session whose state is in this lane's buffers as returned (no copy)
     scratch: list[torch.Tensor] = field(default_factory=list)  # module buffers the graphs write, this lane's copies
+    # the catalog classes a warm-up captured here when it left the others out (``warmup(full_lanes=...)``):
+    # calls of another class are never handed this lane; None: every class may run here
+    classes: frozenset | None = None
+
+    def serves(self, key: Any) -> bool:
+        """Whether a call of catalog class ``key`` may run on this lane."""
+        return self.classes is None or key in self.classes
 
     def __post_init__(self) -> None:
         # fixed once the lane is built: checked on every session call's outputs
@@ -139,8 +146,9 @@ class LanePool:
         Calls that name no lane never get a pinned lane; a call running on it now finishes first (the
         pinned session's calls name the lane and wait for it)."""
         with self._free:
-            for ln in self.lanes:
-                if ln.index > 0 and ln.index not in self._offline and ln.index not in self._pinned:
+            for ln in self.lanes:  # a pinned session's calls all run on its lane: one that has every class
+                if ln.index > 0 and ln.index not in self._offline and ln.index not in self._pinned \
+                        and ln.classes is None:
                     self._pinned.add(ln.index)
                     return ln
             raise NoLaneToPin(f"no lane to pin: the program has {len(self.lanes)} lane(s) and {len(self._pinned)} "
@@ -163,8 +171,11 @@ class LanePool:
             return len(self.lanes) - len(self._offline)
 
     @contextmanager
-    def take(self, index: int | None = None, *, prefer_unoccupied: bool = False) -> Iterator[Lane]:
+    def take(self, index: int | None = None, *, prefer_unoccupied: bool = False,
+             key: Any = None) -> Iterator[Lane]:
         """A free lane (or lane ``index``), held for the block; waits while none is free.
+
+        ``key``: the call's catalog class; only lanes that serve it (:meth:`Lane.serves`) are candidates.
 
         ``prefer_unoccupied``: take only lanes no state is resident in (the default session's stays in
         lane 0 between its calls, and the views it returned must keep their bytes), waiting for one
@@ -173,7 +184,7 @@ class LanePool:
             while True:
                 if index is None:
                     held = self._offline | self._pinned
-                    candidates = [ln for ln in self.lanes if ln.index not in held]
+                    candidates = [ln for ln in self.lanes if ln.index not in held and (key is None or ln.serves(key))]
                 else:
                     candidates = [ln for ln in self.lanes if ln.index == index]
                 free = [ln for ln in candidates if ln.index not in self._busy]

@@ -110,7 +110,7 @@ class Session:
                     with self.program.lanes.take(self.lane.index) as lane:
                         out = self._run_pinned(lane, lane.catalog[key], flat, sources)
                 else:
-                    with self.program.lanes.take(prefer_unoccupied=True) as lane:
+                    with self.program.lanes.take(prefer_unoccupied=True, key=key) as lane:
                         out = self._run_on(lane, lane.catalog[key], flat, sources)
             except BaseException:
                 self.rng.states = rng_before

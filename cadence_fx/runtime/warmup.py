@@ -33,26 +33,50 @@ log = logging.getLogger(__name__)
 
 
 def warm_up(lanes: LanePool, census: Census, example_args: Sequence[Any], *, region_index: Mapping[str, int],
-            state_rule: bool, stats: dict[str, Any], only: Sequence[Lane] | None = None) -> dict[str, Any]:
+            state_rule: bool, stats: dict[str, Any], only: Sequence[Lane] | None = None,
+            full_lanes: int | None = None, steady: Sequence[int] = (-1,)) -> dict[str, Any]:
     """Capture every catalog class of every lane of ``lanes`` (or of the lanes ``only``); ``stats`` (the
-    program's counters) is left as found. Returns the warm-up seconds and per-class reports."""
+    program's counters) is left as found. Returns the warm-up seconds and per-class reports.
+
+    ``full_lanes``: only the lanes numbered below it capture every class; the others capture the
+    ``steady`` classes alone (positions in the catalog's export order, negative from its end: the
+    class a stream stays in once its caches are full is the last of a chunk clock's catalog), and
+    calls of another class are handed only lanes that have it (:attr:`Lane.classes`). A worker is
+    then ready after one full lane and the steady class of the others; what each call computes is
+    unchanged (the same graph of a class on whichever lane runs it)."""
     t0 = time.perf_counter()
     kept = {k: v for k, v in stats.items() if isinstance(v, int)}
     chosen = list(lanes.lanes if only is None else only)
-    bar = Progress("cadence_fx capture", sum(len(lane.catalog) for lane in chosen))
+    plan = {lane.index: _lane_classes(lane, full_lanes, steady) for lane in chosen}
+    bar = Progress("cadence_fx capture", sum(len(plan[lane.index] or lane.catalog) for lane in chosen))
     for lane in chosen:
-        warm_lane(lanes, lane, example_args, census=census, region_index=region_index, state_rule=state_rule, bar=bar)
+        warm_lane(lanes, lane, example_args, census=census, region_index=region_index, state_rule=state_rule, bar=bar,
+                  classes=plan[lane.index])
+        lane.classes = plan[lane.index]
     bar.close()
     stats.update(kept)
     return {"seconds": time.perf_counter() - t0,
             "classes": {name: dict(eng.classes) for name, eng in census.runners().items()}}
 
 
+def _lane_classes(lane: Lane, full_lanes: int | None, steady: Sequence[int]) -> frozenset | None:
+    """The classes ``lane`` captures under ``full_lanes``/``steady`` (None: all of them)."""
+    if full_lanes is None or lane.index < max(1, full_lanes):  # lane 0 serves the default session: every class
+        return None
+    keys = list(lane.catalog)
+    try:
+        picked = frozenset(keys[i] for i in steady)
+    except IndexError:
+        raise ValueError(f"steady={list(steady)}: the catalog has {len(keys)} class(es)") from None
+    return None if len(picked) == len(keys) else picked
+
+
 def warm_lane(lanes: LanePool, lane: Lane, example_args: Sequence[Any], *, census: Census,
               region_index: Mapping[str, int], state_rule: bool, bar: Progress | None = None,
-              beside: bool = False) -> None:
-    """Capture every catalog class of ``lane``, leaving its state as found. ``beside``: other threads
-    are serving on other lanes meanwhile; each class then runs with every draw of the process held
+              beside: bool = False, classes: frozenset | None = None) -> None:
+    """Capture every catalog class of ``lane`` (or the ``classes`` among them), leaving its state as
+    found. ``beside``: other threads are serving on other lanes meanwhile; each class then runs with
+    every draw of the process held
     (:func:`~cadence_fx.runtime.rng.draws_held`: a capture rewinds the default generators, which a
     session's call may have its streams installed in), and the lane's work is finished on the device
     before this returns (its state is put back on this thread's stream, which no later call of the
@@ -62,7 +86,8 @@ def warm_lane(lanes: LanePool, lane: Lane, example_args: Sequence[Any], *, censu
             lane.on_stream(), torch.no_grad():
         # the largest classes first: the lane's engines stage into one arena, which then
         # never has to grow for a later class (a grown arena keeps the old one alive)
-        for key, entry in sorted(lane.catalog.items(), key=lambda kv: -_input_bytes(kv[0])):
+        chosen = [(k, e) for k, e in lane.catalog.items() if classes is None or k in classes]
+        for key, entry in sorted(chosen, key=lambda kv: -_input_bytes(kv[0])):
             flat = warmup_args(lane, key, entry, example_args, region_index=region_index, state_rule=state_rule)
             with draws_held() if beside else nullcontext():
                 if state_rule:

@@ -71,7 +71,10 @@ class WorkerConfig:
     ``serve_from_lanes``: the worker is ready once this many lanes are captured; the others capture on a
     background thread beside traffic and join one by one, and the capacity admitted grows with them
     (``capacity x online // lanes``). It needs ``capacity`` given: a worker still capturing cannot
-    measure its own. ``None``: every lane is captured before the worker is ready."""
+    measure its own. ``None``: every lane is captured before the worker is ready. ``full_lanes``: only
+    that many lanes capture every catalog class, the others its steady (last) class alone, and calls of
+    the other classes (a conversation's first chunks) go to the full lanes (``OptimizedProgram.warmup``):
+    a shorter start, the same bytes. ``None``: every lane captures every class."""
 
     artifact: Any  # a path, or an object ref of the file's bytes (share_artifact)
     sha256: str | None = None
@@ -88,6 +91,7 @@ class WorkerConfig:
     check_weights: bool = True
     memory_margin: float = 0.8  # of the device's free memory, what calibration lets sessions take
     serve_from_lanes: int | None = None  # serve once this many lanes are captured; the rest capture beside traffic
+    full_lanes: int | None = None  # lanes that capture every class; the rest capture the steady class only
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class ConversationWorker(Readiness, Transfers):
             self._warming: LaneWarmup | None = self.prog.warmup_in_background(*warm_args, first=first)
         else:
             self._warming = None
-            self.prog.warmup(*warm_args)
+            self.prog.warmup(*warm_args, full_lanes=config.full_lanes)
         if self.device.type == "cuda":  # the staging of a conversation's export, pinned once (after the captures)
             packing.reserve_pinned(sum(rp.session_bytes for rp in self.prog.plan.regions)
                                    + packing.ALIGN * len(self.prog.plan.regions))
