@@ -1,9 +1,9 @@
 # session 24, call 2: an 8-lane worker's start from a saved artifact with every lane capturing every class
 # against full lanes 1 and 2 (the others capture the steady class only), each a fresh process with its streams
-# SHA-256-gated; then float16 Token2Wav above 60 (16 lanes, 60 s rows, kernels at once and fill per row)
-export OUT=${OUT:-.out}; mkdir -p $OUT/cold $OUT/f16
+# SHA-256-gated; then Moshi rows at 80 ms with shared sessions and the journal off (the default since session 22)
+export OUT=${OUT:-.out}; mkdir -p $OUT/cold $OUT/moshi
 export CADENCE_FX_UPSTREAM=$PWD/.upstream PYTHONPATH=$PWD
 OUT=$OUT/cold timeout 300 bash scripts/gpu.sh cold --lanes 8 --chunks 4 --full-lanes all,1,2 2>&1 | grep "\[cold\]" | tail -4
-OUT=$OUT/f16 timeout 280 bash scripts/gpu.sh cadence --cells SRc --dtype float16 --gpus 1 --sessions 64,68 --lanes 16 \
-    --seconds 60 --warm-seconds 5 --time-budget 265 > /dev/null 2>&1
-grep -v "chunks$\|_warn_once" $OUT/f16/cadence.log | tail -8
+OUT=$OUT/moshi timeout 250 bash scripts/gpu.sh moshi-cadence --cells SRc --sessions 3,4,5 --lanes 8 --seconds 20 \
+    --warm-seconds 2 --time-budget 235 --row-slack 5 > /dev/null 2>&1
+grep -v "chunks$\|frames$\|_warn_once" $OUT/moshi/moshi-cadence.log | tail -6
