@@ -482,7 +482,8 @@ def gate(rows: Iterable[dict], baseline: str = BASELINE) -> list[dict]:
         b = base.get((own, run, lane, block)) or next(  # the same run's other lane first, then any run's
             (v for (n, rn, _l, blk), v in sorted(base.items(), key=lambda kv: kv[0][1] != run)
              if n == own and blk == block), None)
-        r["bitexact"] = "error" not in r and b is not None and r["sha256"] == b["sha256"]
+        # no baseline in the run (a cell run alone): not judged here, neither exact nor NOT EXACT
+        r["bitexact"] = None if b is None and "error" not in r else "error" not in r and r["sha256"] == b["sha256"]
         r["speedup"] = (1.0 if r["name"] == own and "error" not in r
                         else b["p50_ms"] / r["p50_ms"] if r["bitexact"] else None)
     return cells
@@ -516,7 +517,8 @@ def summarize(rows: Sequence[dict], baseline: str = BASELINE) -> dict[str, dict]
         exact = all(r["bitexact"] for r in rs)
         p50 = percentile((r["p50_ms"] for r in rs), 50)
         s = dict(run=run, p50_ms=p50, peak_mib=max((r.get("peak_mib") or 0) for r in rs),
-                 warmup_s=rs[0].get("warmup_s"), bitexact_blocks=f"{sum(r['bitexact'] for r in rs)}/{len(rs)}")
+                 warmup_s=rs[0].get("warmup_s"), bitexact_blocks=f"{sum(bool(r['bitexact']) for r in rs)}/{len(rs)}"
+                 + (" (no baseline run)" if any(r["bitexact"] is None for r in rs) else ""))
         prof = next((r for r in rs if r.get("busy_ms") == r.get("busy_ms") and r.get("busy_ms") is not None), None)
         if prof:  # the floor a launch-free schedule of the same kernels reaches, and how far the cell is from it
             s.update(busy_ms=prof["busy_ms"], p50_over_busy=p50 / prof["busy_ms"] if prof["busy_ms"] else None,
@@ -555,7 +557,8 @@ def table(rows: Sequence[dict]) -> str:
             last = (r["error"].strip().splitlines() or ["?"])[-1][:80]
             lines.append(f"{r['name']:<12}{at}{r.get('block', 0):>6}  failed: {last}")
             continue
-        sp = f"{r['speedup']:.2f}x" if r.get("speedup") else ("-" if r.get("bitexact") else "NOT EXACT")
+        sp = f"{r['speedup']:.2f}x" if r.get("speedup") else \
+            ("-" if r.get("bitexact") else "no B0" if r.get("bitexact") is None else "NOT EXACT")
         lines.append(f"{r['name']:<12}{at}{r.get('block', 0):>6}{r['p50_ms']:>10.2f}{r['p95_ms']:>10.2f}"
                      f"{fmt_number(r.get('peak_mib'), '.0f'):>10}{fmt_number(r.get('kernels_per_chunk'), '.0f'):>9}"
                      f"{fmt_number(r.get('launches_per_chunk'), '.0f'):>9}{fmt_number(r.get('busy_ms'), '.1f'):>9}"
