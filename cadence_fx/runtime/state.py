@@ -18,12 +18,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from cadence_fx.binding import RegionSite
+from cadence_fx.determinism import byte_view
 from cadence_fx.runtime.errors import StaleState, StateMismatch, stale_message
 from cadence_fx.runtime.owners import resolve_source
 from cadence_fx.runtime.transaction import commit_copies
 
 __all__ = ["StaleState", "StateCounts", "StateMismatch", "StateStore", "copy_into", "copy_state", "copy_states",
-           "stale_message", "state_target", "state_to"]
+           "host_copy", "stale_message", "state_target", "state_to", "zero_bits"]
 
 # A copy between devices into or out of a non-contiguous view stages the whole view through a
 # contiguous temporary on the device; slices of at most this many bytes keep that temporary small.
@@ -129,11 +130,14 @@ class StateStore:
         """Run a block (warm-up) and put back every byte of state, of ``extra`` (module buffers the
         programs write in place), the RNGs and the counts.
 
-        Copies go to the host: warm-up must not raise the device peak by the size of the state.
+        Copies go to the host: warm-up must not raise the device peak by the size of the state. A
+        tensor whose bytes are all zero (a lane as built, before any call) is not copied: it is zeroed
+        again afterwards, which puts back the same bytes without the round trip through pageable host
+        memory that took most of a lane's warm-up outside its captures.
         Yields the storages restored here, which captures inside the block need not snapshot.
         """
         state = self.tensors() + list(extra)
-        saved = [t.to("cpu", copy=True) for t in state]
+        saved = [None if zero else host_copy(t) for t, zero in zip(state, zero_bits(state))]
         rng = (torch.get_rng_state(), random.getstate(),
                torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
         counts = StateCounts(self.counts.adopted, self.counts.in_place)
@@ -143,13 +147,37 @@ class StateStore:
         finally:
             with torch.no_grad():
                 for t, v in zip(state, saved):
-                    t.copy_(v)
+                    if v is None:
+                        t.zero_()
+                    else:
+                        t.copy_(v)
             torch.set_rng_state(rng[0])
             random.setstate(rng[1])
             if rng[2] is not None:
                 torch.cuda.set_rng_state_all(rng[2])
             self.counts = counts
             self._returned = returned
+
+
+def zero_bits(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether every byte of it is zero (bits, not values: -0.0 is not zero here), read on
+    its device with one synchronization for all of them."""
+    if not tensors:
+        return []
+    flags = [byte_view(t).any() for t in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    out = [False] * len(tensors)
+    for idx in by_device.values():
+        for i, nonzero in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
+            out[i] = not nonzero
+    return out
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` on the host (what :meth:`StateStore.preserved` puts back)."""
+    return t.to("cpu", copy=True)
 
 
 def copy_into(buf: torch.Tensor, name: str, arg: torch.Tensor, site: RegionSite, *,
