@@ -45,8 +45,9 @@ if ! "$py" -c "import denoiser.demucs" >/dev/null 2>&1; then
   "$py" -m pip install -q --no-deps "denoiser==0.1.5"
 fi
 export CADENCE_FX_UPSTREAM="$UP"
-# two pytest-xdist workers (CADENCE_FX_TEST_WORKERS, 0 or 1: none), one unit (a module, or a group:
-# tests/conftest.py) per worker at a time, the longest units first (--no-loadscope-reorder keeps its order)
+# two pytest-xdist workers (CADENCE_FX_TEST_WORKERS, 0 or 1: none), one unit (a module, a group or a
+# test: tests/conftest.py's scheduler, which --dist loadgroup selects) per worker at a time, the longest
+# units first
 # on the 2-core CI machine the suite takes about half the time
 workers=${CADENCE_FX_TEST_WORKERS:-2}
 par=()

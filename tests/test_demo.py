@@ -27,12 +27,20 @@ def _same(refs, opts, cfg):
     assert sha256([t for r in refs for t in live_view(r, live)]) == sha256([t for o in opts for t in o])
 
 
+_CATALOGS: dict = {}
+
+
 def _setup(cfg: DemoConfig, **kw):
-    torch.manual_seed(0)
-    model = StreamingDecoder(cfg).eval()
-    contract = demo_contract(cfg, **kw)
-    eps = export_catalog(model, contract)
-    return model, contract, eps
+    """The demo decoder (seed 0), its contract and its catalog, exported once per configuration for the
+    module: the export is most of a test's time, and the tests only read what it returns (each one
+    optimizes and streams its own program)."""
+    key = (cfg, tuple(sorted(kw.items())))
+    if key not in _CATALOGS:
+        torch.manual_seed(0)
+        model = StreamingDecoder(cfg).eval()
+        contract = demo_contract(cfg, **kw)
+        _CATALOGS[key] = model, contract, export_catalog(model, contract)
+    return _CATALOGS[key]
 
 
 def _inputs(cfg: DemoConfig, seed: int = 7):

@@ -706,7 +706,86 @@ def test_checkpoints_left_in_the_workers_object_store_survive_a_sigkill_of_it(cl
         ray.kill(ctl)
 
 
+def test_a_conversation_state_pickles_as_byte_arrays_and_comes_back_bit_for_bit():
+    """What crosses the object store: every region tensor as a byte array (out of band under pickle
+    protocol 5), any dtype and layout, the same bits back; the rest of the state unchanged."""
+    import pickle
+
+    import numpy as np
+
+    from cadence_fx.serve.conversation import ConversationState
+
+    state = {"f32": torch.randn(4, 8), "bf16": torch.randn(3, 5).to(torch.bfloat16),
+             "strided": torch.randn(4, 6)[:, ::2], "nan": torch.tensor([float("nan"), -0.0])}
+    cs = ConversationState("c", state, torch.get_rng_state(), None, 5, 9, {"export_s": 0.1})
+    buffers: list = []
+    data = pickle.dumps(cs, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == len(state)  # each region out of band, none inside the pickle stream
+    back = pickle.loads(data, buffers=buffers)
+    for name, t in state.items():
+        got = back.state[name]
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert np.array_equal(got.contiguous().view(torch.uint8).numpy(), t.contiguous().view(torch.uint8).numpy())
+    assert torch.equal(back.rng_cpu, cs.rng_cpu) and (back.next_seq, back.seed, back.meta) == (5, 9, {"export_s": 0.1})
+
+
+def test_a_restartable_controller_survives_its_death_routers_stream_on_and_it_adopts_the_workers(cluster, demo):
+    """``ControllerConfig(restartable=True)``: killing the controller leaves its (detached) workers and
+    their sessions alive; routers keep streaming straight to them; Ray restarts the controller, which
+    adopts both workers and every conversation (epochs and next chunks from the workers, a checkpoint
+    each), then moves one and fails another over from its adoption checkpoint plus the router's journal.
+    Every stream equals its solo unmodified run."""
+    from cadence_fx.serve.adoption import worker_actor_name
+
+    name = "cadence_fx_restartable_test"
+    config = ControllerConfig(checkpoint=CheckpointPolicy(every=K), reorder_s=0.05, health_interval_s=0.5,
+                              health_timeout_s=HEALTH_TIMEOUT, restartable=True)
+    ctl = start_controller([worker_config(demo)] * 2, config=config, worker_options=OPTIONS, name=name)
+    workers = {w: ray.get_actor(worker_actor_name(name, w)) for w in ("worker-0", "worker-1")}
+    try:
+        assert ray.get(ctl.status.remote())["adopted"]["workers"] == []  # a first start: nothing to adopt
+        router = Router(ctl)
+        s = RoutedStreams(router, demo, {"ra": 71, "rb": 72})
+        for c, w in (("ra", "worker-0"), ("rb", "worker-1")):
+            router.open(c, seed=s.seeds[c], prompt=prompt(demo[0], s.seeds[c]), worker=w)
+        s.run(K + 2)  # a checkpoint each, then two chunks of journal
+        ray.kill(ctl, no_restart=False)
+        s.run(3)  # the controller is away (or restarting): chunks still go straight to the workers
+        adopted = None
+        for _ in range(120):
+            try:
+                adopted = ray.get(ctl.status.remote(), timeout=10)["adopted"]
+                break
+            except (RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)
+        assert adopted is not None, "the controller was not restarted"
+        assert adopted["workers"] == ["worker-0", "worker-1"] and adopted["conversations"] == 2
+        assert adopted["checkpointed"] == 2 and adopted["unprotected"] == []
+        assert affinity(ctl) == {"ra": "worker-0", "rb": "worker-1"}
+        s.run(2)
+        report = ray.get(ctl.migrate.remote("ra", "worker-1"))  # the adopted table moves conversations
+        assert (report.source, report.target) == ("worker-0", "worker-1")
+        s.run(2)
+        ray.kill(workers["worker-1"], no_restart=True)  # both conversations are there now
+        ray.get(ctl.add_worker.remote(worker_config(demo), "worker-2", OPTIONS))
+        s.run(3)  # resumed from their checkpoints (taken at adoption or after) plus the router's journal
+        assert "worker-1" not in set(affinity(ctl).values())  # both resumed elsewhere
+        assert len(ray.get(ctl.status.remote())["resumes"]) == 2
+        s.check()
+        s.close()
+    finally:
+        for w in ("worker-0", "worker-1", "worker-2"):
+            try:
+                ray.kill(ray.get_actor(worker_actor_name(name, w)), no_restart=True)
+            except ValueError:
+                pass
+        ray.kill(ctl, no_restart=True)
+
+
 # --------------------------------------------------------------------------- the reduced Token2Wav
+# Last in the module (pytest runs a module's tests in file order): under xdist the artifact tests,
+# which start with the run on the other worker, have saved the artifact by the time this fixture
+# asks for it, so it loads their file instead of waiting for it or exporting it a second time.
 T2W_CHUNKS = 5  # the attention histories at 16, 26, 36 frames, then trimmed: every catalog class
 
 
@@ -793,79 +872,3 @@ def test_token2wav_conversations_placed_moved_and_failed_over_give_their_solo_pc
             if w["alive"]:
                 ray.kill(ray.get(ctl.worker_handle.remote(name)))
         ray.kill(ctl)
-
-
-def test_a_conversation_state_pickles_as_byte_arrays_and_comes_back_bit_for_bit():
-    """What crosses the object store: every region tensor as a byte array (out of band under pickle
-    protocol 5), any dtype and layout, the same bits back; the rest of the state unchanged."""
-    import pickle
-
-    import numpy as np
-
-    from cadence_fx.serve.conversation import ConversationState
-
-    state = {"f32": torch.randn(4, 8), "bf16": torch.randn(3, 5).to(torch.bfloat16),
-             "strided": torch.randn(4, 6)[:, ::2], "nan": torch.tensor([float("nan"), -0.0])}
-    cs = ConversationState("c", state, torch.get_rng_state(), None, 5, 9, {"export_s": 0.1})
-    buffers: list = []
-    data = pickle.dumps(cs, protocol=5, buffer_callback=buffers.append)
-    assert len(buffers) == len(state)  # each region out of band, none inside the pickle stream
-    back = pickle.loads(data, buffers=buffers)
-    for name, t in state.items():
-        got = back.state[name]
-        assert got.dtype == t.dtype and got.shape == t.shape
-        assert np.array_equal(got.contiguous().view(torch.uint8).numpy(), t.contiguous().view(torch.uint8).numpy())
-    assert torch.equal(back.rng_cpu, cs.rng_cpu) and (back.next_seq, back.seed, back.meta) == (5, 9, {"export_s": 0.1})
-
-
-def test_a_restartable_controller_survives_its_death_routers_stream_on_and_it_adopts_the_workers(cluster, demo):
-    """``ControllerConfig(restartable=True)``: killing the controller leaves its (detached) workers and
-    their sessions alive; routers keep streaming straight to them; Ray restarts the controller, which
-    adopts both workers and every conversation (epochs and next chunks from the workers, a checkpoint
-    each), then moves one and fails another over from its adoption checkpoint plus the router's journal.
-    Every stream equals its solo unmodified run."""
-    from cadence_fx.serve.adoption import worker_actor_name
-
-    name = "cadence_fx_restartable_test"
-    config = ControllerConfig(checkpoint=CheckpointPolicy(every=K), reorder_s=0.05, health_interval_s=0.5,
-                              health_timeout_s=HEALTH_TIMEOUT, restartable=True)
-    ctl = start_controller([worker_config(demo)] * 2, config=config, worker_options=OPTIONS, name=name)
-    workers = {w: ray.get_actor(worker_actor_name(name, w)) for w in ("worker-0", "worker-1")}
-    try:
-        assert ray.get(ctl.status.remote())["adopted"]["workers"] == []  # a first start: nothing to adopt
-        router = Router(ctl)
-        s = RoutedStreams(router, demo, {"ra": 71, "rb": 72})
-        for c, w in (("ra", "worker-0"), ("rb", "worker-1")):
-            router.open(c, seed=s.seeds[c], prompt=prompt(demo[0], s.seeds[c]), worker=w)
-        s.run(K + 2)  # a checkpoint each, then two chunks of journal
-        ray.kill(ctl, no_restart=False)
-        s.run(3)  # the controller is away (or restarting): chunks still go straight to the workers
-        adopted = None
-        for _ in range(120):
-            try:
-                adopted = ray.get(ctl.status.remote(), timeout=10)["adopted"]
-                break
-            except (RayActorError, ray.exceptions.GetTimeoutError):
-                time.sleep(0.5)
-        assert adopted is not None, "the controller was not restarted"
-        assert adopted["workers"] == ["worker-0", "worker-1"] and adopted["conversations"] == 2
-        assert adopted["checkpointed"] == 2 and adopted["unprotected"] == []
-        assert affinity(ctl) == {"ra": "worker-0", "rb": "worker-1"}
-        s.run(2)
-        report = ray.get(ctl.migrate.remote("ra", "worker-1"))  # the adopted table moves conversations
-        assert (report.source, report.target) == ("worker-0", "worker-1")
-        s.run(2)
-        ray.kill(workers["worker-1"], no_restart=True)  # both conversations are there now
-        ray.get(ctl.add_worker.remote(worker_config(demo), "worker-2", OPTIONS))
-        s.run(3)  # resumed from their checkpoints (taken at adoption or after) plus the router's journal
-        assert "worker-1" not in set(affinity(ctl).values())  # both resumed elsewhere
-        assert len(ray.get(ctl.status.remote())["resumes"]) == 2
-        s.check()
-        s.close()
-    finally:
-        for w in ("worker-0", "worker-1", "worker-2"):
-            try:
-                ray.kill(ray.get_actor(worker_actor_name(name, w)), no_restart=True)
-            except ValueError:
-                pass
-        ray.kill(ctl, no_restart=True)

@@ -35,9 +35,9 @@ from cadence_fx.adapters.stepaudio2 import load_stepaudio2
 from cadence_fx.determinism import sha256_tensors
 
 pytestmark = pytest.mark.upstream
-# the tests that read full_step_0_1_2's catalog run on the worker that runs the artifact tests, which
-# read it too (tests/conftest.py: every other test here is a unit of its own)
-SHARES_THE_CATALOG = pytest.mark.xdist_group("token2wav")
+# Under xdist the tests that read full_step_0_1_2's catalog run on the worker that runs the artifact
+# tests, which read it too (tests/conftest.py's "token2wav" unit: every other test here is a unit of
+# its own).
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = Path(os.environ.get("CADENCE_FX_UPSTREAM", REPO / ".upstream"))
@@ -265,7 +265,6 @@ def shared_chunk_artifact_0_1_2(cfg, tmp_path_factory) -> tuple[cf.Contract, Pat
     return contract, path, digest
 
 
-@SHARES_THE_CATALOG
 def test_full_step_0_1_2(cfg):
     """Flow chunk + both trims + HiFT (mel/source/speech caches, fade, device randomness), chunk clock,
     verify mode, and a mid-stream rollback to an earlier snapshot (foreign tensors copied in)."""
@@ -309,7 +308,6 @@ def step_catalog(cfg):
     return full_step_0_1_2(cfg)
 
 
-@SHARES_THE_CATALOG
 def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     """``step_segments=False``: the CFM loop is one partition (one graph); same bits."""
     from cadence_fx.testing.fake_backend import FakeBackend
@@ -325,7 +323,6 @@ def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     assert len(flow) == 2 * 3 and all(e.counters.eager == 0 and e.counters.replays > 0 for e in flow.values())
 
 
-@SHARES_THE_CATALOG
 @pytest.mark.parametrize("segments", [False, True], ids=["step-clock", "chunk-clock-step-segments"])
 def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segments):
     """0.1.2 through the fake replay backend, one graph per solver step: at the step clock (each step's
