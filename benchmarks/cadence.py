@@ -88,6 +88,13 @@ bytes (every frame's tokens, then its PCM) must equal its script's solo stock ru
 the vendor's layout, one conversation per process (the server's warm-up and ``reset_streaming``,
 moshi's ``CUDAGraphed`` as shipped); ``--solo-stock eager`` takes the solo digests from the eager stock
 code instead. Wired, not yet measured on a GPU (docs/benchmarks.md).
+
+``--model code2wav`` (``benchmarks/cadence_code2wav.py``): a session is Qwen3-Omni's Code2Wav decoding a
+conversation's codes as a streaming server does, ``--code2wav-chunk`` frames per chunk (default 25: 2 s
+of audio, so ``--period`` defaults to 2 s) with ``--code2wav-context`` frames of context (default 24, the
+longest the step's contract allows at 25); ``--reduced`` (or ``--tiny``) for the adapter's TINY sizes,
+``--dtype float32`` or ``bfloat16``. The stock cell is the step's eager forward (one chunk of upstream
+``chunked_decode``), one conversation per process.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import cadence_code2wav as code2wav  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.cadence_exact import run_solo_child  # noqa: E402
 from benchmarks.cadence_measure import BusyWindow, busy_fraction, timeline, union_length  # noqa: E402
@@ -142,7 +150,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seconds", type=float, default=60.0, help="seconds of audio per session, so per N (default 60)")
     ap.add_argument("--period", type=float, default=None,
                     help="seconds between a session's chunks, also the deadline (default 1 s: one Token2Wav chunk is "
-                         "1 s of audio; 0.08 s for --model moshi: one frame; shorter only for smoke runs)")
+                         "1 s of audio; 0.08 s for --model moshi: one frame; --code2wav-chunk / 12.5 s for --model "
+                         "code2wav: one chunk of audio; shorter only for smoke runs)")
     ap.add_argument("--lanes", type=int, default=4, help="lanes of the SRc program, per GPU")
     ap.add_argument("--artifact", default=None,
                     help="SRc workers load this saved program (cf.load, --lanes lanes) instead of exporting and "
@@ -185,14 +194,23 @@ def parser() -> argparse.ArgumentParser:
                          "chunks not served count as misses (abandoned) and its exactness is not judged")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="skip any N that would end later than this many seconds after the start (0: no limit)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="token2wav: float32 or float16 (where this checkout has the path); code2wav: float32 or "
+                         "bfloat16; moshi: float32 only (it runs as released)")
     ap.add_argument("--solo-from", default=None,
                     help="take the solo stock digests from an earlier run's --json report instead of running them "
                          "again (the same model, dtype, sizes, chunks, scripts, torch and GPU model, else an error)")
-    ap.add_argument("--model", default="token2wav", choices=("token2wav", "demo", "moshi"),
+    ap.add_argument("--model", default="token2wav", choices=("token2wav", "demo", "moshi", "code2wav"),
                     help="demo: the small demo decoder, for CPU smoke tests of the process layout; moshi: Moshi "
-                         "full-duplex conversations (benchmarks/cadence_moshi.py)")
-    ap.add_argument("--reduced", action="store_true", help="reduced Token2Wav (or Moshi) sizes (CPU smoke run)")
+                         "full-duplex conversations (benchmarks/cadence_moshi.py); code2wav: Qwen3-Omni's Code2Wav "
+                         "streaming a conversation's codes (benchmarks/cadence_code2wav.py)")
+    ap.add_argument("--reduced", "--tiny", action="store_true",
+                    help="reduced Token2Wav (or Moshi) sizes, Code2Wav's TINY (CPU smoke run)")
+    ap.add_argument("--code2wav-chunk", type=int, default=25,
+                    help="--model code2wav: code frames per chunk (default 25: 2 s of audio at 12.5 frames/s)")
+    ap.add_argument("--code2wav-context", type=int, default=24,
+                    help="--model code2wav: frames of context before each chunk (default 24: the contract needs "
+                         "0 < context < chunk; benchmarks/cadence_code2wav.py says why)")
     ap.add_argument("--solo-stock", default="vendor", choices=("vendor", "eager"),
                     help="--model moshi: the solo runs through the vendor's process (CUDA graphs as shipped, the "
                          "server's warm-up and reset) or the eager stock code from the built state")
@@ -210,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    if args.model == "code2wav":
+        code2wav.configure(args)  # before any process starts: the flags, transformers, the default period
     if args.period is None:
         args.period = 0.08 if args.model == "moshi" else 1.0
     if args.model == "moshi":
@@ -234,12 +254,16 @@ def main() -> None:
     if args.model == "moshi":  # the report's dtype field is Token2Wav's flag: say what Moshi ran as
         run.meta["moshi"] = dict(lm_dtype="bfloat16", mimi_dtype="float32", solo_stock=args.solo_stock,
                                  sizes="reduced" if args.reduced else "released")
+    if args.model == "code2wav":
+        run.meta["code2wav"] = code2wav.meta(args)
     gpus = sorted({int(x) for x in args.gpus.split(",")}) if args.gpus else [max(1, len(run.visible))]
     if run.visible and max(gpus) > len(run.visible):
         raise SystemExit(f"--gpus {args.gpus}: only {len(run.visible)} GPU(s) visible")
     cells = [c for c in args.cells.split(",") if c]
     k = max(gpus)
     if args.solo_from:
+        if args.model == "code2wav":
+            code2wav.check_solo_from(args.solo_from, args)
         run.adopt_solo(args.solo_from)
     solo = None if args.solo_from else run.start_solo(k)
     # the SRc workers build beside the solo runs when SRc comes first; otherwise when its turn comes

@@ -1,4 +1,4 @@
-"""What every process of the cadence benchmark builds: the model (Token2Wav, the demo decoder, or Moshi).
+"""What every process of the cadence benchmark builds: the model (Token2Wav, the demo decoder, Moshi or Code2Wav).
 
 :class:`Bench` is what a process needs of its model: the stock step, its initial (prompt) state and
 the catalog to optimize. :func:`child_setup` is the set-up every model-building process runs first,
@@ -50,6 +50,10 @@ def build_bench(args, device: str) -> Bench:
         from benchmarks.cadence_moshi import stock_bench
 
         return stock_bench(args, device)
+    if args.model == "code2wav":  # benchmarks/cadence_code2wav.py
+        from benchmarks.cadence_code2wav import code2wav_bench
+
+        return code2wav_bench(args, device)
     t2w, cfg, step, (tokens, mel, spk) = build_step(args, device, **dtype_hook(args.dtype))
     state0 = step.setup(tokens, mel, spk)
 

@@ -43,6 +43,8 @@ def passthrough(args) -> list[str]:
     out = ["--model", args.model, "--dtype", args.dtype, "--scripts", str(args.scripts), "--period", str(args.period)]
     if args.model == "moshi":
         out += ["--solo-stock", getattr(args, "solo_stock", None) or "vendor"]
+    if args.model == "code2wav":  # the chunk and context shape the catalog and every script's codes
+        out += ["--code2wav-chunk", str(args.code2wav_chunk), "--code2wav-context", str(args.code2wav_context)]
     return out + (["--reduced"] if args.reduced else [])
 
 

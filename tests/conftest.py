@@ -33,7 +33,8 @@ _FIRST = ("ray", "token2wav", "test_upstream_cpu::test_full_step_1_0_7",
           "test_upstream_cpu::test_token2wav_example_streams_bit_identical",
           "test_upstream_cpu::test_full_step_0_1_2_float16", "test_contract_properties",
           "test_upstream_cpu::test_dit_step_exact", "test_upstream_cpu::test_bounded_vocoder_decode_replays_bit_exact",
-          "test_corpus", "test_properties", "test_cadence_bench", "test_demo", "test_moshi", "test_code2wav_bench")
+          "test_corpus", "test_properties", "test_cadence_bench", "test_demo", "test_moshi", "test_code2wav_bench",
+          "test_cadence_code2wav")
 
 
 def unit(nodeid: str) -> str:
