@@ -264,3 +264,26 @@ def test_a_programs_writes_are_walked_once_per_graph(monkeypatch):
     lanes.lane_writes(copy)["extra"] = True  # the caller's dict: the memo is not changed through it
     assert lanes.lane_writes(gm) == first
     assert lanes.lane_writes(_marked_root()) == first and len(walks) == 2
+
+
+def test_a_copied_module_has_the_tables_a_built_one_has_and_none_shared():
+    """Copies skip ``nn.Module.__init__``: each copy must still hold every field a module built by it
+    holds, with tables of its own (a table shared between two lanes' modules would let one lane's
+    registration reach the other's)."""
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    gm.register_buffer("scratch", torch.zeros(3), persistent=False)
+    gm.add_module("box", torch.nn.Module())  # a plain container holding a graph module
+    gm.box.add_module("inner", torch.fx.symbolic_trace(torch.nn.Linear(2, 2)))
+    a, b = copy_program(gm, {}, frozenset()), copy_program(gm, {}, frozenset())
+    built = vars(torch.nn.Module())
+    for mod_a, mod_b, src in zip(a.modules(), b.modules(), gm.modules()):
+        assert set(built) <= set(vars(mod_a))
+        for name, value in built.items():
+            if isinstance(value, (dict, set, list)):
+                assert vars(mod_a)[name] is not vars(mod_b)[name] and vars(mod_a)[name] is not vars(src)[name]
+        assert dict(mod_a.named_parameters(recurse=False)).keys() == dict(src.named_parameters(recurse=False)).keys()
+    assert a._non_persistent_buffers_set == {"scratch"} and "scratch" not in a.state_dict()
+    a.register_buffer("only_a", torch.ones(1))
+    assert not hasattr(b, "only_a") and "only_a" not in gm._buffers
+    x = torch.randn(4, 2)
+    assert torch.equal(a(x), gm(x)) and torch.equal(b(x), gm(x))

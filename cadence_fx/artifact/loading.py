@@ -7,6 +7,8 @@ generates their code (:func:`load` says how the seconds split, in ``prog.load_re
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +67,27 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
         FileNotFoundError: no file at ``path``.
         ArtifactMismatch: another torch/CUDA version, device, GPU model, kernel setting or contract.
     """
+    with cyclic_gc_paused():
+        return _load(path, device, replay, lanes, contract, check_weights, sha256)
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was after it). Loading makes tens of
+    thousands of objects that live on (graph nodes, modules: each lane's copies), and every few hundred
+    allocations the collector would walk all of them again, for nothing: that was a fifth of an 8-lane
+    load on the CPU (docs/benchmarks.md, session 25). Reference counting still frees what dies."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _load(path: str | os.PathLike[str], device: str | torch.device | None, replay: Replay | Any, lanes: int,
+          contract: Contract | None, check_weights: bool, sha256: str | None) -> OptimizedProgram:
     t0 = time.perf_counter()
     check_lanes(lanes)
     payload = read_payload(Path(path), sha256)

@@ -82,6 +82,24 @@ _CODE_FIELDS = ("_graph", "_code", "_lineno_map", "_prologue_start", "_in_spec",
 _HOOK_LISTS = ("_erase_node_hooks", "_create_node_hooks", "_replace_hooks", "_deepcopy_hooks")
 
 
+_MODULE_FIELDS: dict[str, object] | None = None
+
+
+def _bare(cls: type) -> torch.nn.Module:
+    """An instance of ``cls`` holding what ``nn.Module.__init__`` gives a module (fresh empty containers,
+    the default flags), without running it: ``__init__`` sets each field through a checked
+    ``__setattr__`` and is most of a copy's time when a lane copies a program's thousands of modules.
+    The fields are read off one module ``__init__`` built, so they follow the installed torch."""
+    global _MODULE_FIELDS
+    if _MODULE_FIELDS is None:
+        _MODULE_FIELDS = dict(vars(torch.nn.Module()))
+    new = object.__new__(cls)
+    fields = vars(new)
+    for name, value in _MODULE_FIELDS.items():  # the containers are empty in a module just built
+        fields[name] = type(value)() if isinstance(value, (dict, set, list)) else value
+    return new
+
+
 def _sharing_code(mod: GraphModule) -> GraphModule:
     """An empty module of ``mod``'s own class (torch gives every graph module instance a class of its
     own, whose ``forward`` is the code generated from its graph) holding ``mod``'s graph and code: the
@@ -90,8 +108,7 @@ def _sharing_code(mod: GraphModule) -> GraphModule:
     programs). Nothing edits a graph once its lane is built; installing a lane's runners and random
     guards rebinds attributes, and a recompile regenerates the same code from the same graph."""
     # object.__new__, not the class's: GraphModule.__new__ makes a fresh class (with no code) per call
-    new = object.__new__(type(mod))
-    torch.nn.Module.__init__(new)
+    new = _bare(type(mod))
     fields = vars(mod)
     for name in _CODE_FIELDS:
         if name in fields:
@@ -133,35 +150,38 @@ def copy_program(root: GraphModule, rebind: Mapping[int, torch.Tensor], owned: f
         if _plain_graph_module(mod):
             new: torch.nn.Module = _sharing_code(mod)
         elif type(mod) is torch.nn.Module:
-            new = torch.nn.Module()
+            new = _bare(torch.nn.Module)
         else:
             raise NotCopyable(f"{at} is a {type(mod).__qualname__}; only graph modules and plain containers are copied")
         done[id(mod)] = new
-        new.training = mod.training
+        # Straight into the module's tables: every name and kind was checked when the source module
+        # registered it, and the checked setters cost as much as the rest of a copy.
+        fields = vars(new)
+        fields["training"] = mod.training
+        params = new._parameters
         for name, p in mod._parameters.items():
             if p is None:
-                new.register_parameter(name, None)
+                params[name] = None
                 continue
             q = tensor(p, f"{at} parameter {name!r}")
-            new.register_parameter(name, q if isinstance(q, torch.nn.Parameter)
-                                   else torch.nn.Parameter(q, requires_grad=False))
+            params[name] = q if isinstance(q, torch.nn.Parameter) else torch.nn.Parameter(q, requires_grad=False)
+        buffers = new._buffers
         for name, b in mod._buffers.items():
-            new.register_buffer(name, None if b is None else tensor(b, f"{at} buffer {name!r}"),
-                                persistent=name not in mod._non_persistent_buffers_set)
+            buffers[name] = None if b is None else tensor(b, f"{at} buffer {name!r}")
+        new._non_persistent_buffers_set.update(mod._non_persistent_buffers_set)
         for name, v in vars(mod).items():
             if name in MODULE_INTERNALS:
                 continue
             if not isinstance(v, torch.Tensor):
                 raise NotCopyable(f"{at} holds attribute {name!r} of type {type(v).__name__}")
-            setattr(new, name, tensor(v, f"{at} attribute {name!r}"))
+            fields[name] = tensor(v, f"{at} attribute {name!r}")
         guards = export_guards(mod)
+        children = new._modules
         for name, child in mod._modules.items():
-            if child is None:
-                new.add_module(name, None)
-            elif name in guards:  # a stateless checker of the example shapes: shared
-                new.add_module(name, child)
+            if child is None or name in guards:  # a guard is a stateless checker of the example shapes: shared
+                children[name] = child
             else:
-                new.add_module(name, copy_module(child, f"{path}.{name}" if path else name))
+                children[name] = copy_module(child, f"{path}.{name}" if path else name)
         return new
 
     out = copy_module(root, "")
