@@ -23,6 +23,7 @@ from cadence_fx.analysis.graph_io import numel
 from cadence_fx.binding import RegionSite, bind_regions
 from cadence_fx.buffer_regions import NO_BUFFER_REGIONS, BufferRegions, lift_buffer_regions
 from cadence_fx.contract import Contract, ContractError
+from cadence_fx.gc_paused import cyclic_gc_paused
 from cadence_fx.passes import PassConfig, PassContext, ProgramFacts
 from cadence_fx.pipeline import run_pipeline
 from cadence_fx.plan import Plan, plan as make_plan
@@ -219,7 +220,7 @@ class LaneBuilder:
     def build(self, lanes: int) -> LanePool:
         """Build lane 0 (recording the passes' counts), check the extents, build the other lanes."""
         source = self.source
-        with Progress(source.label, len(self.sites) * lanes) as bar:
+        with cyclic_gc_paused(), Progress(source.label, len(self.sites) * lanes) as bar:
             lane0 = self.build_lane(0, self.backend, record=True, bar=bar)
             self._lane0 = lane0
             check_extents(source.contract, source.plan, self.sites)  # after the passes: theirs name the node that differs

@@ -363,18 +363,20 @@ def test_a_float16_autocast_step_with_export_guards_round_trips_bit_exact(tmp_pa
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["gc-on", "gc-off"])
-def test_load_leaves_the_garbage_collector_as_it_found_it(demo, tmp_path, enabled):
-    """cf.load pauses Python's cyclic collector while it builds (cyclic_gc_paused): afterwards, and
-    after a load that raises, the collector is on or off as the caller had it."""
+def test_load_and_optimize_leave_the_garbage_collector_as_they_found_it(demo, tmp_path, enabled):
+    """cf.load and cf.optimize pause Python's cyclic collector while they build (cyclic_gc_paused):
+    afterwards, and after a load that raises, the collector is on or off as the caller had it."""
     import gc
 
-    _model, _contract, _eps, _prog, path, _info = demo
+    _model, contract, eps, _prog, path, _info = demo
     bad = tmp_path / "bad.cfx"
     bad.write_bytes(path.read_bytes()[:1000])
     was = gc.isenabled()
     try:
         gc.enable() if enabled else gc.disable()
         cf.load(path, replay=FakeBackend(), lanes=2)
+        assert gc.isenabled() is enabled
+        cf.optimize(eps, contract, replay=FakeBackend(), lanes=2)
         assert gc.isenabled() is enabled
         with pytest.raises(cf.ArtifactError):
             cf.load(bad)

@@ -7,8 +7,6 @@ generates their code (:func:`load` says how the seconds split, in ``prog.load_re
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,7 @@ from cadence_fx.artifact.source import ArtifactSource
 from cadence_fx.artifact.values import decode_contract
 from cadence_fx.build import Replay, check_lanes
 from cadence_fx.contract import Contract
+from cadence_fx.gc_paused import cyclic_gc_paused
 from cadence_fx.program import OptimizedProgram
 
 __all__ = ["iter_artifact_tensors", "load"]
@@ -69,21 +68,6 @@ def load(path: str | os.PathLike[str], *, device: str | torch.device | None = No
     """
     with cyclic_gc_paused():
         return _load(path, device, replay, lanes, contract, check_weights, sha256)
-
-
-@contextlib.contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (as it was after it). Loading makes tens of
-    thousands of objects that live on (graph nodes, modules: each lane's copies), and every few hundred
-    allocations the collector would walk all of them again, for nothing: that was a fifth of an 8-lane
-    load on the CPU (docs/benchmarks.md, session 25). Reference counting still frees what dies."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _load(path: str | os.PathLike[str], device: str | torch.device | None, replay: Replay | Any, lanes: int,
