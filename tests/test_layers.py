@@ -21,7 +21,7 @@ MAX_LINES = 400
 # adapters and tools on top.
 LAYERS = [
     ("base", ("cadence_fx.contract", "cadence_fx.annotations", "cadence_fx.progress", "cadence_fx.determinism",
-              "cadence_fx.binding", "cadence_fx.kernel_settings")),
+              "cadence_fx.binding", "cadence_fx.kernel_settings", "cadence_fx.gc_paused")),
     ("analysis", ("cadence_fx.analysis",)),
     ("runtime", ("cadence_fx.runtime",)),
     ("passes", ("cadence_fx.passes", "cadence_fx.pipeline", "cadence_fx.plan", "cadence_fx.export", "cadence_fx.buffer_regions",
