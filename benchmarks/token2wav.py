@@ -27,6 +27,9 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
 - ``SRcb``/``SRchb``  ``SRc``/``SRch`` captured with ``CudaGraphBackend(branches=3)``: each graph's independent
                  chains (projections, rotary embeddings, parallel residual blocks) on up to three streams of
                  the one graph (``cadence_fx.analysis.branch_plan``); the same kernels, gated against ``B0``/``B0h``.
+- ``SRcs``/``SRchs``  ``SRc``/``SRch`` with one stream per graph (``CudaGraphBackend()``): since session 26
+                 ``replay="auto"`` gives a one-lane program three branch streams, two of them running matrix
+                 products (``SRc`` is then ``SRchb2``'s setting in fp32); these are the single-stream cells.
 - ``SRchb2``     ``SRchb`` with the matrix products on two of the three streams (``blas_streams=2``): the
                  process keeps one cuBLAS workspace fewer.
 - ``B0n``        the 1.0.7 driver as it ships (``minicpmo-utils-1.0.7``): the flow step with the 1.0.7 trims
@@ -102,6 +105,9 @@ OPT_CELLS = {
     # transaction costs per call
     "SRcnt": dict(state=True, replay="auto", granularity="chunk", step_segments=True, transactional=False),
     "SRch": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True),
+    # SRc / SRch on one stream per graph: what replay="auto" gave a one-lane program before session 26
+    "SRcs": dict(state=True, replay="auto", granularity="chunk", step_segments=True, branches=1),
+    "SRchs": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True, branches=1),
     # SRc / SRch with each graph's independent chains captured on parallel streams (cadence_fx.analysis.branch_plan)
     "SRcb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, branches=3),
     "SRchb": dict(state=True, replay="auto", granularity="chunk", step_segments=True, float16=True, branches=3),
@@ -365,7 +371,7 @@ def run_opt_cell(args, name: str) -> list[dict]:
     state0 = {k: v.cpu() for k, v in state0.items()}
     t0 = time.perf_counter()
     replay = spec["replay"]
-    if spec.get("branches", 1) > 1 and device == "cuda":
+    if "branches" in spec and device == "cuda":  # SRcs: one stream, named (``replay="auto"`` branches one lane)
         from cadence_fx.runtime.backends import CudaGraphBackend
 
         replay = CudaGraphBackend(branches=spec["branches"], blas_streams=spec.get("blas_streams"))

@@ -333,11 +333,21 @@ def check_lanes(lanes: object) -> None:
         raise ValueError(f"lanes must be a positive int, got {lanes!r}")
 
 
-def pick_backend(replay: Replay | Any) -> Any:
+# ``replay="auto"`` of a one-lane program: its graphs' independent chains captured on parallel streams
+# (the same kernels, so the same bytes), which shortens a lone call; two of the streams run matrix
+# products (each one that does keeps a cuBLAS workspace). With several lanes the lanes already keep the
+# GPU busy and the branches' fences cost more than they give, so each lane's graphs use one stream
+# (docs/benchmarks.md, sessions 25-26).
+AUTO_BRANCHES = 3
+AUTO_BLAS_STREAMS = 2
+
+
+def pick_backend(replay: Replay | Any, lanes: int = 1) -> Any:
     if replay == "off":
         return None
     if replay == "auto":
-        backend = CudaGraphBackend()
+        backend = CudaGraphBackend(branches=AUTO_BRANCHES, blas_streams=AUTO_BLAS_STREAMS) if lanes == 1 \
+            else CudaGraphBackend()
         return backend if backend.available() else None
     return replay
 

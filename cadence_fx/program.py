@@ -65,7 +65,7 @@ class OptimizedProgram:
         self.buffer_regions = source.buffer_regions
         self._visible = list(self.buffer_regions.visible_names) if self.buffer_regions else self._names
         self._region_index = {r.name: self._names.index(r.input) for r in self.contract.regions}
-        backend = pick_backend(replay)
+        backend = pick_backend(replay, lanes)
         self._sites = envelope_sites(self.plan, source.sites, self.state_rule)
         self._stats: dict[str, Any] = {"calls": 0, "not_admitted": 0, "passes": {}}
         # held weakly: a session dropped without close() is reclaimed with its buffers
@@ -373,8 +373,8 @@ def optimize(exported: ExportedProgram | Sequence[ExportedProgram], contract: Co
         contract: the native-clock contract.
         verify: shadow-run the stock concatenation at every carry append and retention and raise
             :class:`cadence_fx.RetentionMismatch` on the first differing element.
-        replay: ``"auto"`` replays wrapped partitions through CUDA graphs when CUDA is available
-            (eager otherwise), ``"off"`` never replays, or a replay backend object.
+        replay: ``"auto"``: CUDA graphs when CUDA is available (eager otherwise), with parallel branch
+            streams when ``lanes == 1``; ``"off"`` never replays; or a replay backend object.
         state: apply the state rule (contract-owned region buffers, in-place writeback). Off, the
             regions stay as the program allocates them: the single-rule cells of the factorial.
         lanes: how many session calls may run at once: each lane is one copy of the rewritten

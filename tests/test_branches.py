@@ -415,3 +415,22 @@ def test_an_op_draws_says_draws_nothing_leaves_the_generator_untouched():
         moved += changed
         assert draws(node) or not changed, f"{op} {args[1:]} drew although draws() said it does not"
     assert moved >= 5  # the grid has ops that do draw: the check above is not vacuous
+
+
+def test_auto_replay_branches_a_one_lane_program_only(monkeypatch) -> None:
+    """``replay="auto"``: a one-lane program's graphs get branch streams (a lone call's latency), a
+    program of several lanes one stream per graph (the lanes fill the GPU; the branches' fences cost
+    more there); with no CUDA, no backend; a backend given is used as given."""
+    from cadence_fx.build import AUTO_BLAS_STREAMS, AUTO_BRANCHES, pick_backend
+    from cadence_fx.runtime.backends import CudaGraphBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    one = pick_backend("auto", 1)
+    assert (one.branches, one.blas_streams) == (AUTO_BRANCHES, AUTO_BLAS_STREAMS) and AUTO_BRANCHES > 1
+    many = pick_backend("auto", 8)
+    assert (many.branches, many.blas_streams) == (1, None)
+    assert many.fork().branches == 1 and one.fork().branches == AUTO_BRANCHES  # lanes fork the setting
+    mine = CudaGraphBackend(branches=1)
+    assert pick_backend(mine, 1) is mine and pick_backend("off", 1) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_backend("auto", 1) is None
