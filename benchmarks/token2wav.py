@@ -28,8 +28,8 @@ Released dimensions, random weights, fp32, prompt of 151 tokens, 28-token chunks
                  chains (projections, rotary embeddings, parallel residual blocks) on up to three streams of
                  the one graph (``cadence_fx.analysis.branch_plan``); the same kernels, gated against ``B0``/``B0h``.
 - ``SRcs``/``SRchs``  ``SRc``/``SRch`` with one stream per graph (``CudaGraphBackend()``): since session 26
-                 ``replay="auto"`` gives a one-lane program three branch streams, two of them running matrix
-                 products (``SRc`` is then ``SRchb2``'s setting in fp32); these are the single-stream cells.
+                 ``replay="auto"`` gives a one-lane program three branch streams (``SRc`` is then ``SRcb``'s
+                 setting); these are the single-stream cells.
 - ``SRchb2``     ``SRchb`` with the matrix products on two of the three streams (``blas_streams=2``): the
                  process keeps one cuBLAS workspace fewer.
 - ``B0n``        the 1.0.7 driver as it ships (``minicpmo-utils-1.0.7``): the flow step with the 1.0.7 trims

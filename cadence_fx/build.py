@@ -334,12 +334,12 @@ def check_lanes(lanes: object) -> None:
 
 
 # ``replay="auto"`` of a one-lane program: its graphs' independent chains captured on parallel streams
-# (the same kernels, so the same bytes), which shortens a lone call; two of the streams run matrix
-# products (each one that does keeps a cuBLAS workspace). With several lanes the lanes already keep the
-# GPU busy and the branches' fences cost more than they give, so each lane's graphs use one stream
-# (docs/benchmarks.md, sessions 25-26).
+# (the same kernels, so the same bytes), which shortens a lone call; every branch stream may run matrix
+# products (each one that does keeps a cuBLAS workspace: confining them to two was slower in fp32). With
+# several lanes the lanes already keep the GPU busy and the branches' fences cost more than they give,
+# so each lane's graphs use one stream (docs/benchmarks.md, sessions 25-26).
 AUTO_BRANCHES = 3
-AUTO_BLAS_STREAMS = 2
+AUTO_BLAS_STREAMS = None
 
 
 def pick_backend(replay: Replay | Any, lanes: int = 1) -> Any:

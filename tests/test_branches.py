@@ -427,6 +427,7 @@ def test_auto_replay_branches_a_one_lane_program_only(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     one = pick_backend("auto", 1)
     assert (one.branches, one.blas_streams) == (AUTO_BRANCHES, AUTO_BLAS_STREAMS) and AUTO_BRANCHES > 1
+    assert AUTO_BLAS_STREAMS is None or 1 <= AUTO_BLAS_STREAMS <= AUTO_BRANCHES
     many = pick_backend("auto", 8)
     assert (many.branches, many.blas_streams) == (1, None)
     assert many.fork().branches == 1 and one.fork().branches == AUTO_BRANCHES  # lanes fork the setting
