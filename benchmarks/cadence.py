@@ -174,6 +174,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--pin", action="store_true",
                     help="pin each SRc session to a lane of its own while lanes last (no state copies per call; "
                          "the sessions beyond lanes - 1 share the rest)")
+    ap.add_argument("--draw-replay", default="lock",
+                    help="SRc: how graphs that draw are replayed, per row: 'lock' (the default: under the process-wide "
+                         "draws' lock), 'lockless' (CADENCE_FX_LOCKLESS_DRAW_REPLAY's path: each lane's generator "
+                         "state loaded directly), or 'lock,lockless': both rows at every N, in that order")
     ap.add_argument("--full-sweep", action="store_true", help="keep sweeping N after the first misses")
     ap.add_argument("--pack", action="store_true",
                     help="SRc: run the rows of a GPU count below the largest side by side on disjoint GPUs, only "

@@ -97,11 +97,26 @@ def progress(row: dict) -> str:
     """The line printed as a row comes."""
     if "error" in row:
         return f"[{row['cell']} gpus={row.get('gpus')} N={row.get('n_sessions')}] FAILED\n{row['error']}"
-    return (f"[{row['cell']} gpus={row['gpus']} N={row['n_sessions']}] p50 {row['p50_ms']:.0f} ms p99 "
+    return (f"[{label(row)} gpus={row['gpus']} N={row['n_sessions']}] p50 {row['p50_ms']:.0f} ms p99 "
             f"{row['p99_ms']:.0f} ms misses {row['misses']}/{row['chunks']} exact {row['bitexact']} peak "
             f"{fmt(row['peak_mib'], '.0f')} MiB busy {fmt(row.get('busy_fraction'), '.2f')} nvml "
             f"{fmt(row.get('nvml_util'), '.2f')} join p50/max {fmt(row.get('join_p50_ms'), '.1f')}/"
-            f"{fmt(row.get('join_max_ms'), '.1f')} ms{fill_line(row)}")
+            f"{fmt(row.get('join_max_ms'), '.1f')} ms{fill_line(row)}{lock_line(row)}")
+
+
+def label(row: dict) -> str:
+    """The cell's name, with the draws' replay mode where it is not the default lock."""
+    mode = row.get("draw_replay")
+    return f"{row['cell']}/{mode}" if mode and mode != "lock" else row["cell"]
+
+
+def lock_line(row: dict) -> str:
+    """The draws' lock over the row, summed over its workers: seconds waited for it and held."""
+    locks = [h["draw_lock"] for h in row.get("host") or [] if h and h.get("draw_lock")]
+    if not locks:
+        return ""
+    return (f" draws' lock wait/held {sum(x['wait_s'] for x in locks):.1f}/{sum(x['held_s'] for x in locks):.1f} s"
+            f" (longest {max(x['max_held_ms'] for x in locks):.0f} ms)")
 
 
 def fill_line(row: dict) -> str:
@@ -124,7 +139,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['cell']:<6}{r.get('gpus')!s:>5}{r.get('n_sessions')!s:>5}  failed")
             continue
         join = f"{fmt(r.get('join_p50_ms'), '.1f')}/{fmt(r.get('join_max_ms'), '.1f')}"
-        lines.append(f"{r['cell']:<6}{r['gpus']:>5}{r['n_sessions']:>5}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
+        lines.append(f"{label(r):<6}{r['gpus']:>5}{r['n_sessions']:>5}{r['p50_ms']:>9.1f}{r['p99_ms']:>9.1f}"
                      f"{str(r['misses']) + '/' + str(r['chunks']):>12}{fmt(r['peak_mib'], '.0f'):>10}"
                      f"{fmt(r.get('busy_fraction'), '.2f'):>6}{fmt(r.get('nvml_util'), '.2f'):>6}{join:>17}"
                      f"{str(r.get('join_window_misses')):>20}{str(r['bitexact']):>7}")

@@ -35,6 +35,18 @@ def row_cutoff_s(period: float, chunks: int, slack: float) -> float:
     return period * (chunks + 1) + slack
 
 
+DRAW_REPLAY_MODES = ("lock", "lockless")
+
+
+def draw_replay_modes(spec: str) -> list[str]:
+    """``--draw-replay``: the comma list of modes each N runs in, in order; an unknown mode is refused."""
+    modes = [m.strip() for m in str(spec).split(",") if m.strip()]
+    bad = [m for m in modes if m not in DRAW_REPLAY_MODES]
+    if bad or not modes:
+        raise SystemExit(f"--draw-replay {spec!r}: each entry must be one of {', '.join(DRAW_REPLAY_MODES)}")
+    return modes
+
+
 class Run(SoloDigests):
     """One benchmark run: the solo digests, the rows so far, and where they are written."""
 
@@ -87,12 +99,13 @@ class Run(SoloDigests):
         return [Worker(g, [sys.executable, str(ENTRY), "--worker", str(g)] + common + passthrough(a),
                        worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
 
-    def _serve_cmd(self, n: int, g: int, j: int, t0: float, chunks: int, busy_window: float) -> dict:
+    def _serve_cmd(self, n: int, g: int, j: int, t0: float, chunks: int, busy_window: float,
+                   draw_replay: str = "lock") -> dict:
         """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
         a = self.args
         return dict(cmd="serve", n=n, sessions=sessions_of(n, g, j), t0=t0, period=a.period,
                     chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window, pin=a.pin,
-                    cutoff_s=row_cutoff_s(a.period, chunks, a.row_slack))
+                    draw_replay=draw_replay, cutoff_s=row_cutoff_s(a.period, chunks, a.row_slack))
 
     def warm(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
         """Every worker, at once, serves an untimed ``--warm-seconds`` stream of its share of the first N it
@@ -131,11 +144,15 @@ class Run(SoloDigests):
         self.check_solo_device()
         self.meta["SRc"] = dict(workers=ready)
         self.warm(workers, gpus, sessions)
+        modes = draw_replay_modes(a.draw_replay)
         for g in gpus:
-            todo = list(sessions[g])
+            todo = [(n, mode) for n in sessions[g] for mode in modes]
             width = max(1, len(workers) // g) if a.pack else 1  # --pack: the same N on disjoint GPU groups
+            missed_modes: set[str] = set()
             while todo:
-                n0, todo = todo[0], todo[1:]
+                (n0, mode), todo = todo[0], todo[1:]
+                if mode in missed_modes:  # this mode missed at a smaller N: a larger one only misses more
+                    continue
                 batch = [n0] * width
                 if self.over_budget("SRc", g, n0, row_cutoff_s(a.period, self.chunks, a.row_slack) + a.lead + 15):
                     break
@@ -144,7 +161,7 @@ class Run(SoloDigests):
                 samplers = [self._nvml([w.g for w in grp], t0) for grp in groups]
                 for n, grp in zip(batch, groups):
                     for j, w in enumerate(grp):
-                        w.send(self._serve_cmd(n, g, j, t0, self.chunks, a.busy_window))
+                        w.send(self._serve_cmd(n, g, j, t0, self.chunks, a.busy_window, mode))
                 rows = []
                 for rep_i, (n, grp, nvml) in enumerate(zip(batch, groups, samplers)):
                     parts = [w.receive() for w in grp]
@@ -152,7 +169,7 @@ class Run(SoloDigests):
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
                     row.update(nvml.result(), lanes=a.lanes, full_lanes=a.full_lanes, branches=a.branches,
                                blas_streams=a.blas_streams, cuda_connections=a.cuda_connections, join_live=a.join_live,
-                               pin=a.pin, journal=a.journal,
+                               pin=a.pin, journal=a.journal, draw_replay=mode,
                                host=[p.get("host") for p in parts],
                                gpu_ids=[w.g for w in grp],
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
@@ -165,7 +182,9 @@ class Run(SoloDigests):
                 for row in rows:
                     self.add(row)
                 if any(r["misses"] for r in rows) and not a.full_sweep:
-                    break
+                    missed_modes.add(mode)
+                    if missed_modes >= set(modes):
+                        break
 
     def _nvml(self, gpus: list[int], t0: float) -> NvmlSampler:
         """NVML samples of the given GPUs (worker indices) from a second after t0, until stopped."""

@@ -227,14 +227,20 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                     print(f"[N={n}] {done[0]}/{total} chunks", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers or len(prog.lanes.lanes))]
-    from cadence_fx.runtime.rng import draw_lock_stats
+    from cadence_fx.runtime import rng as rng_mod
 
-    draw_lock_stats(reset=True)
+    rng_mod.draw_lock_stats(reset=True)
+    lockless_before = rng_mod.LOCKLESS_DRAW_REPLAY
+    # the row's mode, read at every replay of a graph that draws (no thread is serving yet)
+    rng_mod.LOCKLESS_DRAW_REPLAY = cmd.get("draw_replay", "lock") == "lockless"
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        rng_mod.LOCKLESS_DRAW_REPLAY = lockless_before
     # CPU seconds of the process per wall second: near 1 with the threads' Python serialized on the GIL
     host = dict(cpu_per_wall=(time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0),
                 threads_on_lane_streams=shared[0],
@@ -242,7 +248,7 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                 timeline=timeline(records, period),
                 # the process-wide lock of every draw (sessions' streams, graph generator swaps): its waits
                 # and holds, against the row's wall time
-                draw_lock=draw_lock_stats())
+                draw_lock=rng_mod.draw_lock_stats())
     reply = dict(gpu=args.worker, records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
                  abandoned=total - done[0],
                  peak_mib=harness.peak_mib(), late_start_s=late_start, counters=prog.counters(),

@@ -111,6 +111,18 @@ def test_session_lists_per_gpu_count():
         cadence.per_gpu_lists("1/2/3", [1, 2])
 
 
+def _demo_srcell(out, *extra):
+    """Run the demo model's SRc cell on the CPU, 2 lanes, 0.5 s period, writing ``out``; fails the test
+    with the tail of stderr when the benchmark does not exit cleanly."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc",
+           "--gpus", "1", "--warm-seconds", "0", "--period", "0.5", "--lanes", "2", "--scripts", "2",
+           "--lead", "0.7", "--json", str(out), *extra]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def _part(gpu, sessions, chunks, lat_s, sha, joins=(), peak=100.0, busy=None):
     recs = [[i, k, i * 0.1 + k, i * 0.1 + k + lat_s.get((i, k), 0.05)] for i in sessions for k in range(chunks)]
     return dict(gpu=gpu, records=recs, sha={str(i): sha[i] for i in sessions}, joins=list(joins), peak_mib=peak,
@@ -258,13 +270,25 @@ def test_a_row_slower_than_real_time_is_cut_and_its_unserved_chunks_are_misses(t
 
     assert row_cutoff_s(0.5, 3, 10.0) == 12.0  # one period past the last arrival, then the slack
     out = tmp_path / "cadence.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc",
-           "--gpus", "1", "--sessions", "2", "--warm-seconds", "0", "--seconds", "1.5", "--period", "0.5",
-           "--lanes", "2", "--scripts", "2", "--lead", "0.7", "--row-slack", "-1.2", "--json", str(out)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _demo_srcell(out, "--sessions", "2", "--seconds", "1.5", "--row-slack", "-1.2")
     (row,) = json.loads(out.read_text())["rows"]
     assert row["abandoned"] >= 2 and row["chunks"] == 2 * 3  # every chunk is counted, served or not
     assert row["misses"] >= row["abandoned"] and row["bitexact"] is None
     assert json.loads(out.read_text())["limits"]["SRc"]["1"]["largest_n_no_miss"] is None
+
+
+def test_draw_replay_modes_run_in_order_at_every_n_and_unknown_ones_are_refused(tmp_path):
+    """``--draw-replay lock,lockless``: each N runs a row per mode, in that order, on the same workers,
+    each row saying its mode and each exact; a mode that is not one is refused before anything starts."""
+    from benchmarks.cadence_run import draw_replay_modes
+
+    assert draw_replay_modes("lock, lockless") == ["lock", "lockless"]
+    with pytest.raises(SystemExit, match="lockless"):
+        draw_replay_modes("lock,nolock")
+    out = tmp_path / "cadence.json"
+    proc = _demo_srcell(out, "--sessions", "2,3", "--seconds", "1.0", "--draw-replay", "lock,lockless")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n_sessions"], r["draw_replay"]) for r in rows] == [
+        (2, "lock"), (2, "lockless"), (3, "lock"), (3, "lockless")]
+    assert all(r["bitexact"] is True for r in rows)
+    assert "SRc/lockless gpus=1 N=3" in proc.stderr
