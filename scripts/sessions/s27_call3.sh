@@ -1,9 +1,7 @@
-# session 27, call 3: Moshi at 80 ms in 60 s rows (sessions 26's were 20 s): 4 and 5 conversations on
-# 8 lanes with branch streams, no profiler window, the vendor's one process per conversation (3, 4) in the
-# same run
-export OUT=${OUT:-.out}; mkdir -p $OUT/cad
+# session 27, call 3: float16 Token2Wav at 64, lockless draw replay then locked again on the same workers
+# (call 2's locked 64 collapsed with the draws' lock waited on 907 s across 16 lanes in a 60 s row)
+export OUT=${OUT:-.out}; mkdir -p $OUT/f16
 export CADENCE_FX_UPSTREAM=$PWD/.upstream PYTHONPATH=$PWD
-OUT=$OUT/cad timeout 575 bash scripts/gpu.sh moshi-cadence --cells SRc,stock --sessions 4,5 --stock-sessions 3,4 \
-    --lanes 8 --seconds 60 --warm-seconds 2 --branches 3 --busy-window 0 --time-budget 560 --row-slack 5 \
-    > /dev/null 2>&1
-grep -v "_warn_once" $OUT/cad/moshi-cadence.log | tail -10
+OUT=$OUT/f16 timeout 420 bash scripts/gpu.sh cadence --cells SRc --dtype float16 --gpus 1 --sessions 64 \
+    --lanes 16 --seconds 60 --warm-seconds 5 --draw-replay lockless,lock --time-budget 410 > /dev/null 2>&1
+grep -v "chunks$\|_warn_once" $OUT/f16/cadence.log | tail -8
