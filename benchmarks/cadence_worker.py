@@ -224,7 +224,10 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                     heapq.heappush(due, (arrive + period, i, k + 1))
                 cond.notify_all()
                 if done[0] % max(1, total // 5) == 0 or done[0] == total:
-                    print(f"[N={n}] {done[0]}/{total} chunks", file=sys.stderr, flush=True)
+                    # the time into the row and this chunk's latency say, for a row cut before it
+                    # writes anything, whether it was keeping up (the line still ends in "chunks")
+                    print(f"[N={n}] {ready - base:.1f} s in, latest {(ready - arrive) * 1e3:.0f} ms: "
+                          f"{done[0]}/{total} chunks", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(args.workers or len(prog.lanes.lanes))]
     from cadence_fx.runtime import rng as rng_mod
