@@ -113,7 +113,7 @@ from benchmarks.cadence_exact import run_solo_child  # noqa: E402
 from benchmarks.cadence_measure import BusyWindow, busy_fraction, timeline, union_length  # noqa: E402
 from benchmarks.cadence_model import dtype_hook  # noqa: E402
 from benchmarks.cadence_rows import limits, merge_row, table  # noqa: E402
-from benchmarks.cadence_run import Run  # noqa: E402
+from benchmarks.cadence_run import Run, draw_replay_modes  # noqa: E402
 from benchmarks.cadence_stock import run_stock_child  # noqa: E402
 from benchmarks.cadence_worker import run_worker, worker_env  # noqa: E402
 
@@ -232,6 +232,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    draw_replay_modes(args.draw_replay)  # a mode that is not one stops the run before anything starts
     if args.model == "code2wav":
         code2wav.configure(args)  # before any process starts: the flags, transformers, the default period
     if args.period is None:

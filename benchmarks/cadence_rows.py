@@ -71,12 +71,13 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
 def limits(rows: list[dict]) -> dict:
     """Per cell and GPU count: the largest N run without a miss (and exact), the smallest N with misses;
     and the ratio of the largest GPU count's limit to one GPU's. An N run more than once (``--pack``'s
-    repeats) is clean only if every run of it is."""
+    repeats) is clean only if every run of it is. Rows of another draw replay mode are a cell of their own
+    (:func:`label`): one mode's misses say nothing of the other's limit."""
     out: dict = {}
     runs: dict = {}
     for r in rows:
         if "error" not in r:
-            runs.setdefault((r["cell"], r["gpus"], r["n_sessions"]), []).append(r)
+            runs.setdefault((label(r), r["gpus"], r["n_sessions"]), []).append(r)
     for (cell, g, n), rs in runs.items():
         e = out.setdefault(cell, {}).setdefault(str(g), dict(largest_n_no_miss=None, smallest_n_with_misses=None))
         if all(r["misses"] == 0 and r["bitexact"] for r in rs):

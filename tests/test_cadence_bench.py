@@ -292,3 +292,5 @@ def test_draw_replay_modes_run_in_order_at_every_n_and_unknown_ones_are_refused(
         (2, "lock"), (2, "lockless"), (3, "lock"), (3, "lockless")]
     assert all(r["bitexact"] is True for r in rows)
     assert "SRc/lockless gpus=1 N=3" in proc.stderr
+    # each mode's limit is its own: a miss in one mode does not hide the other's largest clean N
+    assert set(json.loads(out.read_text())["limits"]) == {"SRc", "SRc/lockless"}
