@@ -39,6 +39,15 @@ Cells, in one run:
   shares the host with a larger, overloaded one (session 5 packed N=16 beside N=17 and neither row was
   credible). Each row still has its GPUs to itself; the host's CPUs are shared, as they are in the
   two-GPU rows. An N counts as clean in ``limits`` only when every repeat of it is.
+  ``--procs-per-gpu P`` runs P worker processes on every GPU instead of one, each with ``--lanes``
+  lanes and an interpreter of its own (one process's serving threads share one interpreter lock, and
+  its draws one lock: the host bound of float16 and Moshi rows); a GPU's sessions are dealt round
+  robin over its processes, and the row (labelled ``SRc/Pp``) pools them: latencies, digests, peak
+  memory summed, and a busy fraction that is the union of the processes' kernel intervals
+  (``per_device``). With ``--artifact`` not yet saved, slot 0 of each GPU builds and saves it and the
+  other slots load it once slot 0 is ready. Without MPS the processes' contexts take turns on the GPU;
+  ``--mps`` starts an MPS daemon of the run's own for the workers (``benchmarks/cadence_mps.py``,
+  rows labelled ``+mps``; the report's ``setup.mps`` says whether one ran, and why not).
 - ``stock``: the stock driver as it ships serves one conversation per model instance: one process per
   session, pinned to GPUs round robin (threads would share one default generator, so HiFT's draws,
   and the bytes, would depend on the neighbours; processes also escape the GIL, which the host-bound
@@ -160,6 +169,12 @@ def parser() -> argparse.ArgumentParser:
                     help="SRc: only this many lanes capture every catalog class, the others the steady (last) one; "
                          "a conversation's first chunks run on the full lanes (warmup(full_lanes=...))")
     ap.add_argument("--workers", type=int, default=0, help="serving threads per GPU (default: one per lane)")
+    ap.add_argument("--procs-per-gpu", type=int, default=1,
+                    help="SRc worker processes per GPU, each with --lanes lanes and an interpreter of its own; a "
+                         "GPU's sessions are dealt round robin over them (default 1)")
+    ap.add_argument("--mps", action="store_true",
+                    help="run the SRc workers under an MPS control daemon of this run's own (kernels of several "
+                         "processes on one GPU at once); where none starts, the rows say so and run without")
     ap.add_argument("--branches", type=int, default=1,
                     help="SRc: streams per captured graph (CudaGraphBackend(branches=N): independent chains in "
                          "parallel; 1: one stream)")
@@ -222,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", default=None, help="also append every row to this file (JSON lines)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--slot", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--solo", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=1, help=argparse.SUPPRESS)
@@ -265,6 +281,10 @@ def main() -> None:
     if run.visible and max(gpus) > len(run.visible):
         raise SystemExit(f"--gpus {args.gpus}: only {len(run.visible)} GPU(s) visible")
     cells = [c for c in args.cells.split(",") if c]
+    if args.procs_per_gpu < 1:
+        raise SystemExit(f"--procs-per-gpu {args.procs_per_gpu}: at least 1")
+    if args.procs_per_gpu > 1 and args.pack:
+        raise SystemExit("--procs-per-gpu > 1 shares each GPU among workers; --pack gives each row GPUs of its own")
     k = max(gpus)
     if args.solo_from:
         if args.model == "code2wav":
@@ -286,6 +306,7 @@ def main() -> None:
                     run.add(dict(cell="SRc", name="SRc", gpus=None, n_sessions=None, error=str(e)[-3000:]))
                 for w in workers:
                     w.close()
+                run.stop_mps()
             elif cell == "stock":
                 # each row starts its own stock processes (StockRow): none sit idle beside the SRc rows
                 run.run_stock(gpus, per_gpu_lists(args.stock_sessions, gpus))
@@ -295,6 +316,7 @@ def main() -> None:
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.kill()
+        run.stop_mps()
     report = run.report()
     print(table(run.rows))
     print("limits: " + json.dumps(report["limits"]))

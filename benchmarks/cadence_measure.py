@@ -2,7 +2,7 @@
 
 - :class:`BusyWindow`: a ``torch.profiler`` window of CUDA activity in an SRc worker; the kernels it
   records are clipped to the window and merged (:func:`union_length`: lanes overlap) into a busy
-  fraction (:func:`busy_fraction`).
+  fraction (:func:`busy_fraction`); :func:`device_busy` pools the windows of processes sharing a GPU.
 - :class:`NvmlSampler`: NVML's device-wide utilization, sampled by the coordinator over a run.
 - :func:`timeline`: a worker's latency by arrival time, to tell a backlog that builds from a transient.
 
@@ -22,19 +22,20 @@ from benchmarks.cadence_traffic import latency_ms, missed
 
 
 # --------------------------------------------------------------------------- GPU busy time
+def union_intervals(intervals) -> list[tuple[int, int]]:
+    """The half-open ``(start, end)`` intervals merged where they overlap or touch, in order."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def union_length(intervals) -> int:
     """Total length covered by the half-open ``(start, end)`` intervals (overlaps counted once)."""
-    total, cur_s, cur_e = 0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+    return sum(e - s for s, e in union_intervals(intervals))
 
 
 def busy_fraction(intervals_ns, window_ns: int, clip: tuple[int, int] | None = None) -> float | None:
@@ -102,9 +103,12 @@ class BusyWindow(threading.Thread):
     the recorded span instead and ``busy_clock`` says so.
     """
 
-    def __init__(self, start: float, seconds: float, device: str = "cuda") -> None:
+    def __init__(self, start: float, seconds: float, device: str = "cuda", keep_union: bool = False) -> None:
         super().__init__(daemon=True)
         self.start_at, self.seconds, self.device = start, seconds, device  # "cpu": host ops (the CPU test)
+        # also return the merged kernel intervals inside the window (``busy_union``, ``busy_clip``): a GPU
+        # shared by several processes is busy where any of them runs a kernel (:func:`device_busy`)
+        self.keep_union = keep_union
         self.prof = None
         self.wall_ns = 0
         self.perf_start = None
@@ -170,9 +174,42 @@ class BusyWindow(threading.Thread):
         lo, hi = clip if clock == "wall" else (min(s for s, _e in self.intervals), max(e for _s, e in self.intervals))
         summed = sum(min(e, hi) - max(s, lo) for s, e in self.intervals if e > lo and s < hi)
         # summed kernel time over the window: above the union where lanes' kernels overlap
-        return dict(busy_fraction=frac, busy_kernels=inside or len(self.intervals), busy_clock=clock,
-                    busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo),
-                    **fill_fractions(self.intervals, self.shapes, (lo, hi)))
+        out = dict(busy_fraction=frac, busy_kernels=inside or len(self.intervals), busy_clock=clock,
+                   busy_window=window, kernel_sum_fraction=summed / max(1, hi - lo),
+                   **fill_fractions(self.intervals, self.shapes, (lo, hi)))
+        if self.keep_union and clock == "wall":  # another process's window is on the same wall clock
+            out.update(busy_union=[[max(s, lo), min(e, hi)] for s, e in union_intervals(self.intervals)
+                                   if e > lo and s < hi], busy_clip=[lo, hi])
+        return out
+
+
+def device_busy(parts: list[dict]) -> list[dict]:
+    """Per GPU, from the worker processes' parts on it (``gpu``): how busy the GPU was. One process: its
+    own figures. Several (``--procs-per-gpu``): the GPU is busy where any of them ran a kernel, so the
+    busy fraction is the union of their windows' merged intervals (``busy_union``) over the span all
+    their windows cover; the kernels' summed time and fills add up over the processes (each over its
+    own window, a few milliseconds apart). A process without a window leaves the GPU's figures None."""
+    by: dict[int, list[dict]] = {}
+    for p in parts:
+        by.setdefault(p["gpu"], []).append(p)
+    out = []
+    for gpu, ps in sorted(by.items()):
+        keys = ("busy_fraction", "kernel_sum_fraction", "warp_fill", "sm_fill")
+        if len(ps) == 1:
+            out.append(dict(gpu=gpu, processes=1, **{k: ps[0].get(k) for k in keys}))
+            continue
+        if not all(p.get("busy_union") is not None for p in ps):
+            out.append(dict(gpu=gpu, processes=len(ps), **{k: None for k in keys}))
+            continue
+        lo = max(p["busy_clip"][0] for p in ps)
+        hi = min(p["busy_clip"][1] for p in ps)
+        ivs = [(max(s, lo), min(e, hi)) for p in ps for s, e in p["busy_union"] if e > lo and s < hi]
+        row = dict(gpu=gpu, processes=len(ps), busy_fraction=union_length(ivs) / max(1, hi - lo))
+        for k in keys[1:]:
+            vals = [p.get(k) for p in ps]
+            row[k] = sum(vals) if all(v is not None for v in vals) else None
+        out.append(row)
+    return out
 
 
 class NvmlSampler(threading.Thread):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from benchmarks import harness
 from benchmarks.cadence_exact import bitexact, session_digests
+from benchmarks.cadence_measure import device_busy
 from benchmarks.cadence_traffic import latency_ms, missed
 from benchmarks.harness import fmt_number as fmt  # a number in a format, "n/a" for none or nan
 
@@ -47,7 +48,7 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
             w0 = p["busy_window"][0]
             profiled_misses = (profiled_misses or 0) + sum(1 for r in p["records"] if r[3] > w0
                                                            and missed(latency_ms(r), period))
-        per_gpu.append(dict(gpu=p["gpu"], sessions=len(p["sha"]), chunks=len(pl), p50_ms=harness.percentile(pl, 50),
+        per_gpu.append(dict(gpu=p["gpu"], slot=p.get("slot", 0), sessions=len(p["sha"]), chunks=len(pl), p50_ms=harness.percentile(pl, 50),
                             p99_ms=harness.percentile(pl, 99), misses=sum(missed(x, period) for x in pl),
                             peak_mib=p.get("peak_mib"), busy_fraction=p.get("busy_fraction"),
                             busy_kernels=p.get("busy_kernels"), busy_clock=p.get("busy_clock"),
@@ -55,13 +56,16 @@ def merge_row(cell: str, g: int, n: int, parts: list[dict], solo: dict[int, str]
                             sm_fill=p.get("sm_fill"),
                             busy_window=p.get("busy_window"), busy_error=p.get("busy_error")))
     peaks = [p.get("peak_mib") for p in parts]
-    busy = [p.get("busy_fraction") for p in parts if p.get("busy_fraction") is not None]
+    # per GPU: the processes sharing it pooled (their kernel intervals' union), one entry per GPU
+    devices = device_busy(parts)
+    busy = [d["busy_fraction"] for d in devices if d["busy_fraction"] is not None]
     return dict(cell=cell, name=cell, gpus=g, n_sessions=n, p50_ms=harness.percentile(lat, 50),
                 p95_ms=harness.percentile(lat, 95), p99_ms=harness.percentile(lat, 99), max_ms=max(lat, default=None),
                 misses=misses, chunks=len(lat) + abandoned, abandoned=abandoned,
                 peak_mib=sum(peaks) if all(x is not None for x in peaks) else None,
                 bitexact=exact, busy_fraction=sum(busy) / len(busy) if busy else None,
-                busy_per_gpu=[p.get("busy_fraction") for p in parts], misses_while_profiling=profiled_misses,
+                busy_per_gpu=[d["busy_fraction"] for d in devices], per_device=devices,
+                misses_while_profiling=profiled_misses,
                 join_p50_ms=harness.percentile(join_ms, 50) if join_ms else None,
                 join_max_ms=max(join_ms) if join_ms else None,
                 join_window_misses=window_misses if any(j[1] >= 0 for j in joins) else None,
@@ -106,9 +110,16 @@ def progress(row: dict) -> str:
 
 
 def label(row: dict) -> str:
-    """The cell's name, with the draws' replay mode where it is not the default lock."""
+    """The cell's name, with the draws' replay mode where it is not the default lock, and the worker
+    processes per GPU where there are several (``/2p``; ``+mps`` under an MPS daemon)."""
+    out = row["cell"]
     mode = row.get("draw_replay")
-    return f"{row['cell']}/{mode}" if mode and mode != "lock" else row["cell"]
+    if mode and mode != "lock":
+        out += f"/{mode}"
+    procs = row.get("procs_per_gpu") or 1
+    if procs > 1:
+        out += f"/{procs}p" + ("+mps" if row.get("mps") else "")
+    return out
 
 
 def lock_line(row: dict) -> str:
@@ -123,7 +134,7 @@ def lock_line(row: dict) -> str:
 def fill_line(row: dict) -> str:
     """Per GPU: kernels at once (summed kernel time over the union) and how full the kernels kept it."""
     out = []
-    for p in row.get("per_gpu") or []:
+    for p in row.get("per_device") or row.get("per_gpu") or []:
         b, k = p.get("busy_fraction"), p.get("kernel_sum_fraction")
         if b and k is not None:
             out.append(f" gpu {p['gpu']}: at once {k / b:.2f} warp fill {fmt(p.get('warp_fill'), '.2f')} "

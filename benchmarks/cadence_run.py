@@ -3,7 +3,8 @@
 :class:`Run` holds the run's rows, its solo digests (:class:`~benchmarks.cadence_exact.SoloDigests`) and
 its set-up facts. For the SRc cell it drives the long-lived workers (:mod:`benchmarks.cadence_worker`):
 an untimed warm stream first (:meth:`Run.warm`), then each GPU count's N upward (:meth:`Run.run_src`,
-``--pack``: the same N side by side on disjoint GPUs). For the stock cell it starts each row's own
+``--pack``: the same N side by side on disjoint GPUs; ``--procs-per-gpu``: several workers share each
+GPU, optionally under an MPS daemon of the run's own, :mod:`benchmarks.cadence_mps`). For the stock cell it starts each row's own
 processes (:class:`~benchmarks.cadence_stock.StockRow`, :meth:`Run.run_stock`). Every row is merged
 (:func:`~benchmarks.cadence_rows.merge_row`) and written as it comes (:meth:`Run.add`); a list stops
 at its first N with misses (``--full-sweep``: it goes on) or where ``--time-budget`` would be passed.
@@ -11,6 +12,7 @@ at its first N with misses (``--full-sweep``: it goes on) or where ``--time-budg
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -19,6 +21,7 @@ import torch
 from benchmarks import harness
 from benchmarks.cadence_exact import SoloDigests, script_sha
 from benchmarks.cadence_measure import NvmlSampler
+from benchmarks.cadence_mps import MpsDaemon
 from benchmarks.cadence_placement import ENTRY, child_env, passthrough, sessions_of, visible_gpus
 from benchmarks.cadence_rows import limits, merge_row, progress
 from benchmarks.cadence_stock import StockRow
@@ -61,6 +64,8 @@ class Run(SoloDigests):
         self.device = None
         self.meta: dict = {}
         self.warm_s = args.warm_seconds if args.warm_seconds is not None else (10.0 if self.visible else 0.0)
+        self.mps: MpsDaemon | None = None
+        self._deferred: list[tuple[int, int]] = []  # (gpu, slot) of workers that start once slot 0 is ready
 
     # ------------------------------------------------------------------ rows
     def add(self, row: dict) -> None:
@@ -90,22 +95,69 @@ class Run(SoloDigests):
 
     # ------------------------------------------------------------------ SRc
     def start_workers(self, k: int) -> list[Worker]:
+        """The SRc workers of ``k`` GPUs, ``--procs-per-gpu`` on each, in slot-major order (every GPU's
+        slot 0 first). With ``--artifact`` not yet saved and more than one slot, only slot 0 starts now:
+        it saves the artifact, and the other slots start from it once slot 0 is ready (:meth:`ready`)."""
+        a = self.args
+        if a.mps and self.mps is None:
+            self.mps = MpsDaemon()
+            self.mps.start(bool(self.visible))
+            self.meta["mps"] = self.mps.facts
+            if not self.mps.running:
+                print(f"--mps: no MPS daemon ({self.mps.facts.get('error')}); the workers run without one",
+                      file=sys.stderr, flush=True)
+        slots = [(g, p) for p in range(a.procs_per_gpu) for g in range(k)]
+        if a.artifact and a.procs_per_gpu > 1 and not os.path.exists(a.artifact):
+            slots, self._deferred = [x for x in slots if x[1] == 0], [x for x in slots if x[1] > 0]
+        return [self._worker(g, p) for g, p in slots]
+
+    def _worker(self, g: int, slot: int) -> Worker:
         a = self.args
         common = ["--lanes", str(a.lanes), "--workers", str(a.workers), "--busy-window", str(a.busy_window),
                   "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else []),
                   *(["--journal"] if a.journal else []),
                   *(["--full-lanes", str(a.full_lanes)] if a.full_lanes is not None else []),
                   *(["--artifact", a.artifact] if a.artifact else [])]
-        return [Worker(g, [sys.executable, str(ENTRY), "--worker", str(g)] + common + passthrough(a),
-                       worker_env(child_env(self.visible, g), a.cuda_connections)) for g in range(k)]
+        env = worker_env(child_env(self.visible, g), a.cuda_connections)
+        if self.mps is not None:
+            env = self.mps.env(env)
+        return Worker(g, [sys.executable, str(ENTRY), "--worker", str(g), "--slot", str(slot)] + common
+                      + passthrough(a), env, slot=slot)
 
-    def _serve_cmd(self, n: int, g: int, j: int, t0: float, chunks: int, busy_window: float,
+    def ready(self, workers: list[Worker]) -> list[dict]:
+        """Every worker's ready line; workers deferred by :meth:`start_workers` start (into ``workers``)
+        once the first ones are ready, and theirs follow."""
+        ready = [dict(w.receive(), slot=w.slot) for w in workers]
+        if self._deferred:
+            later = [self._worker(g, p) for g, p in self._deferred]
+            self._deferred = []
+            workers.extend(later)
+            ready += [dict(w.receive(), slot=w.slot) for w in later]
+        if self.mps is not None:
+            self.mps.note_clients()
+        return ready
+
+    def stop_mps(self) -> None:
+        if self.mps is not None:
+            self.mps.stop()
+
+    def groups(self, workers: list[Worker], g: int, width: int) -> list[list[Worker]]:
+        """The worker groups of one batch of ``g``-GPU rows: ``width`` disjoint groups of one worker per
+        GPU (``--pack``), or, with ``--procs-per-gpu`` > 1, one group of every worker on the first ``g``
+        GPUs, slot-major, so that worker ``j`` of it serves on GPU ``j % g`` (:meth:`_serve_cmd`)."""
+        if self.args.procs_per_gpu > 1:
+            return [sorted((w for w in workers if w.g < g), key=lambda w: (w.slot, w.g))]
+        return [workers[j * g:(j + 1) * g] for j in range(width)]
+
+    def _serve_cmd(self, n: int, parts: int, j: int, t0: float, chunks: int, busy_window: float,
                    draw_replay: str = "lock") -> dict:
-        """What worker ``j`` of a ``g``-GPU group serves of an N-session run: sessions ``j, j+g, ...``."""
+        """What worker ``j`` of a group of ``parts`` workers serves of an N-session run: sessions
+        ``j, j+parts, ...`` (on GPU ``i % g`` for session ``i``, as the group is slot-major)."""
         a = self.args
-        return dict(cmd="serve", n=n, sessions=sessions_of(n, g, j), t0=t0, period=a.period,
+        return dict(cmd="serve", n=n, sessions=sessions_of(n, parts, j), t0=t0, period=a.period,
                     chunks=chunks, scripts=a.scripts, join_live=a.join_live, busy_window=busy_window, pin=a.pin,
-                    draw_replay=draw_replay, cutoff_s=row_cutoff_s(a.period, chunks, a.row_slack))
+                    draw_replay=draw_replay, cutoff_s=row_cutoff_s(a.period, chunks, a.row_slack),
+                    busy_union=a.procs_per_gpu > 1)
 
     def warm(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
         """Every worker, at once, serves an untimed ``--warm-seconds`` stream of its share of the first N it
@@ -114,22 +166,23 @@ class Run(SoloDigests):
         chunks = int(round(self.warm_s / a.period))
         if chunks <= 0:
             return
-        first: dict[int, tuple[int, int, int]] = {}  # worker -> (n, g, j)
+        first: dict[int, tuple[Worker, int, int, int, int]] = {}  # id(worker) -> (worker, n, g, j, parts)
         for g in gpus:
             if not sessions[g]:
                 continue
             width = max(1, len(workers) // g) if a.pack else 1
-            for k in range(min(width * g, len(workers))):
-                first.setdefault(k, (sessions[g][0], g, k % g))
+            for grp in self.groups(workers, g, width):
+                for j, w in enumerate(grp):
+                    first.setdefault(id(w), (w, sessions[g][0], g, j, len(grp)))
         t_start = time.monotonic()
         t0 = time.time() + min(a.lead, 0.5)  # untimed: a late start only delays the warm stream
-        for k, (n, g, j) in first.items():
-            workers[k].send(self._serve_cmd(n, g, j, t0, chunks, 0.0))
+        for w, n, g, j, parts in first.values():
+            w.send(self._serve_cmd(n, parts, j, t0, chunks, 0.0))
         per = []
-        for k, (n, g, j) in first.items():
-            part = workers[k].receive()
+        for w, n, g, j, parts in first.values():
+            part = w.receive()
             lat = [latency_ms(r) for r in part["records"]]
-            per.append(dict(gpu=k, n_sessions=n, gpus=g, sessions=len(part["sha"]), chunks=len(lat),
+            per.append(dict(gpu=w.g, slot=w.slot, n_sessions=n, gpus=g, sessions=len(part["sha"]), chunks=len(lat),
                             p50_ms=harness.percentile(lat, 50), p99_ms=harness.percentile(lat, 99),
                             misses=sum(missed(x, a.period) for x in lat), peak_mib=part["peak_mib"]))
         self.meta.setdefault("SRc", {})["warm"] = dict(seconds=self.warm_s, chunks_per_session=chunks,
@@ -139,7 +192,7 @@ class Run(SoloDigests):
 
     def run_src(self, workers: list[Worker], gpus: list[int], sessions: dict[int, list[int]]) -> None:
         a = self.args
-        ready = [w.receive() for w in workers]
+        ready = self.ready(workers)
         self.device = self.device or ready[0]["device"]
         self.check_solo_device()
         self.meta["SRc"] = dict(workers=ready)
@@ -157,11 +210,11 @@ class Run(SoloDigests):
                 if self.over_budget("SRc", g, n0, row_cutoff_s(a.period, self.chunks, a.row_slack) + a.lead + 15):
                     break
                 t0 = time.time() + a.lead
-                groups = [workers[j * g:(j + 1) * g] for j in range(len(batch))]
+                groups = self.groups(workers, g, len(batch))
                 samplers = [self._nvml([w.g for w in grp], t0) for grp in groups]
                 for n, grp in zip(batch, groups):
                     for j, w in enumerate(grp):
-                        w.send(self._serve_cmd(n, g, j, t0, self.chunks, a.busy_window, mode))
+                        w.send(self._serve_cmd(n, len(grp), j, t0, self.chunks, a.busy_window, mode))
                 rows = []
                 for rep_i, (n, grp, nvml) in enumerate(zip(batch, groups, samplers)):
                     parts = [w.receive() for w in grp]
@@ -169,9 +222,10 @@ class Run(SoloDigests):
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
                     row.update(nvml.result(), lanes=a.lanes, full_lanes=a.full_lanes, branches=a.branches,
                                blas_streams=a.blas_streams, cuda_connections=a.cuda_connections, join_live=a.join_live,
-                               pin=a.pin, journal=a.journal, draw_replay=mode,
+                               pin=a.pin, journal=a.journal, draw_replay=mode, procs_per_gpu=a.procs_per_gpu,
+                               mps=bool(self.mps is not None and self.mps.running),
                                host=[p.get("host") for p in parts],
-                               gpu_ids=[w.g for w in grp],
+                               gpu_ids=sorted({w.g for w in grp}),
                                concurrent_n=batch[:rep_i] + batch[rep_i + 1:] if len(batch) > 1 else None,
                                repeat=rep_i if len(batch) > 1 else None,
                                per_session_mib=next((p["per_session_mib"] for p in parts if p["per_session_mib"]),

@@ -175,7 +175,7 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
     if device == "cuda" and cmd["busy_window"] > 0:
         # the last busy_window seconds of arrivals: each of them still sees every session streaming
         start = base + max(0.0, period * chunks - cmd["busy_window"])
-        busy = BusyWindow(start, cmd["busy_window"])
+        busy = BusyWindow(start, cmd["busy_window"], keep_union=cmd.get("busy_union", False))
         busy.start()
 
     lane_streams = {ln.stream.cuda_stream for ln in prog.lanes.lanes if ln.stream is not None}
@@ -252,7 +252,7 @@ def serve(prog, bench: Bench, cmd: dict, args, device: str) -> dict:
                 # the process-wide lock of every draw (sessions' streams, graph generator swaps): its waits
                 # and holds, against the row's wall time
                 draw_lock=rng_mod.draw_lock_stats())
-    reply = dict(gpu=args.worker, records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
+    reply = dict(gpu=args.worker, slot=getattr(args, "slot", 0), records=records, host=host, sha={str(i): sha256_tensors(pcm[i]) for i in mine}, joins=joins,
                  abandoned=total - done[0],
                  peak_mib=harness.peak_mib(), late_start_s=late_start, counters=prog.counters(),
                  per_session_mib=next((s.nbytes() / 2**20 for s in sessions.values() if s is not None), None),
@@ -278,8 +278,10 @@ def worker_env(env: dict, connections: int) -> dict:
 class Worker:
     """The coordinator's handle on one worker process: JSON lines in and out, stderr relayed."""
 
-    def __init__(self, g: int, cmd: list[str], env: dict) -> None:
+    def __init__(self, g: int, cmd: list[str], env: dict, slot: int = 0) -> None:
         self.g = g
+        self.slot = slot  # which of its GPU's worker processes (--procs-per-gpu)
+        self.name = f"gpu {g}" if slot == 0 else f"gpu {g}.{slot}"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env, bufsize=1)
         self.tail: collections.deque = collections.deque(maxlen=60)
@@ -290,7 +292,7 @@ class Worker:
         for line in self.proc.stderr:
             self.tail.append(line)
             if "Warning" not in line and "warn(" not in line:
-                sys.stderr.write(f"[gpu {self.g}] {line}")
+                sys.stderr.write(f"[{self.name}] {line}")
                 sys.stderr.flush()
 
     def send(self, obj: dict) -> None:
@@ -302,7 +304,7 @@ class Worker:
         if not line:
             self.proc.wait()
             self.relay.join(timeout=5)
-            raise RuntimeError(f"worker on gpu {self.g} exited (rc {self.proc.returncode}):\n" + "".join(self.tail))
+            raise RuntimeError(f"worker on {self.name} exited (rc {self.proc.returncode}):\n" + "".join(self.tail))
         return json.loads(line)
 
     def close(self) -> None:

@@ -294,3 +294,60 @@ def test_draw_replay_modes_run_in_order_at_every_n_and_unknown_ones_are_refused(
     assert "SRc/lockless gpus=1 N=3" in proc.stderr
     # each mode's limit is its own: a miss in one mode does not hide the other's largest clean N
     assert set(json.loads(out.read_text())["limits"]) == {"SRc", "SRc/lockless"}
+
+
+def test_processes_sharing_a_gpu_split_its_sessions_and_pool_into_one_row(tmp_path):
+    """``--procs-per-gpu 2``: two worker processes on the one (CPU) "GPU", each serving every other
+    session; the row pools both (every session exact, each served by one process), is labelled with
+    the process count, and ``--mps`` without a GPU says why no daemon ran instead of failing."""
+    out = tmp_path / "cadence.json"
+    proc = _demo_srcell(out, "--sessions", "3", "--seconds", "1.0", "--procs-per-gpu", "2", "--mps")
+    rep = json.loads(out.read_text())
+    (row,) = rep["rows"]
+    assert row["procs_per_gpu"] == 2 and row["mps"] is False and row["bitexact"] is True
+    assert [(p["gpu"], p["slot"], p["sessions"]) for p in row["per_gpu"]] == [(0, 0, 2), (0, 1, 1)]
+    assert row["chunks"] == 3 * 2 and row["gpu_ids"] == [0]
+    assert [d["processes"] for d in row["per_device"]] == [2]
+    assert "SRc/2p gpus=1 N=3" in proc.stderr and set(rep["limits"]) == {"SRc/2p"}
+    assert rep["setup"]["mps"]["running"] is False and "no GPU" in rep["setup"]["mps"]["error"]
+    assert sorted(r["slot"] for r in rep["setup"]["SRc"]["workers"]) == [0, 1]
+
+
+def test_processes_sharing_a_gpu_need_their_own_rows_not_pack(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cadence.py"), "--model", "demo", "--cells", "SRc",
+           "--procs-per-gpu", "2", "--pack", "--json", str(tmp_path / "x.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode != 0 and "--pack" in proc.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_a_gpu_shared_by_processes_is_busy_where_any_of_them_runs_a_kernel():
+    from benchmarks.cadence_measure import device_busy
+
+    a = dict(gpu=0, busy_fraction=0.5, kernel_sum_fraction=0.6, warp_fill=0.2, sm_fill=0.3,
+             busy_union=[[0, 40], [60, 100]], busy_clip=[0, 100])
+    b = dict(gpu=0, busy_fraction=0.3, kernel_sum_fraction=0.3, warp_fill=0.1, sm_fill=None,
+             busy_union=[[30, 70]], busy_clip=[10, 110])
+    c = dict(gpu=1, busy_fraction=0.9, kernel_sum_fraction=2.0, warp_fill=0.5, sm_fill=0.5)
+    d0, d1 = device_busy([a, b, c])
+    # common span [10, 100): a's [10,40) + [60,100) and b's [30,70) cover all 90 ns of it
+    assert d0["processes"] == 2 and d0["busy_fraction"] == pytest.approx(1.0)
+    assert d0["kernel_sum_fraction"] == pytest.approx(0.9) and d0["warp_fill"] == pytest.approx(0.3)
+    assert d0["sm_fill"] is None  # one process without the figure: no pooled figure
+    assert d1 == dict(gpu=1, processes=1, busy_fraction=0.9, kernel_sum_fraction=2.0, warp_fill=0.5, sm_fill=0.5)
+    b2 = dict(b, busy_union=[[45, 50]])
+    assert device_busy([a, b2])[0]["busy_fraction"] == pytest.approx((30 + 5 + 40) / 90)
+    # a process whose window failed: the GPU's busy figure is unknown, not the other process's alone
+    assert device_busy([a, dict(gpu=0, busy_fraction=None)])[0]["busy_fraction"] is None
+
+
+def test_the_other_processes_of_a_gpu_start_from_the_artifact_slot_0_saved(tmp_path):
+    """``--artifact`` not yet saved with ``--procs-per-gpu 2``: slot 0 exports, optimizes and saves it;
+    slot 1 starts after slot 0 is ready and loads it; both serve exact streams."""
+    out, art = tmp_path / "cadence.json", tmp_path / "demo.cfx"
+    _demo_srcell(out, "--sessions", "2", "--seconds", "1.0", "--procs-per-gpu", "2", "--artifact", str(art))
+    rep = json.loads(out.read_text())
+    workers = {w["slot"]: w for w in rep["setup"]["SRc"]["workers"]}
+    assert workers[0]["load_s"] is None and workers[0]["optimize_s"] > 0
+    assert workers[1]["load_s"] is not None and workers[1]["optimize_s"] == 0.0
+    assert art.exists() and rep["rows"][0]["bitexact"] is True
