@@ -86,11 +86,11 @@ class MpsDaemon:
         self.running = True
         try:
             probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=self._env(),
-                                   timeout=120)
+                                   timeout=60)
             ok = probe.returncode == 0 and probe.stdout.strip().endswith("ok")
             detail = (probe.stdout + probe.stderr).strip()[-500:]
         except subprocess.TimeoutExpired:
-            ok, detail = False, "the probe client timed out after 120 s"
+            ok, detail = False, "the probe client timed out after 60 s"
         if not ok:
             self.facts.update(error=f"a client could not make a context through the daemon: {detail}",
                               log=self._log_tail())
