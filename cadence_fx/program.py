@@ -301,7 +301,9 @@ class OptimizedProgram:
 
     def counters(self) -> dict[str, Any]:
         """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners
-        and lanes). Warm-up is not traffic: only its captures are counted."""
+        and lanes), and ``drawing``: the wrapped callables whose replays draw, by why (``declared``: an
+        op of the graph is a draw; ``found_by_probe``: a capture saw the device generator move). Warm-up
+        is not traffic: only its captures are counted."""
         return self.census.counters()
 
     def memory_census(self) -> dict[str, int]:

@@ -222,6 +222,8 @@ def test_only_partitions_that_draw_are_marked_random(live):
     want = cf.reference(eps)(x, torch.zeros(1, 3, 4))[0]
     torch.manual_seed(3)
     assert torch.equal(prog(x, torch.zeros(1, 3, 4))[0], want)
+    # the counters name the callables whose replays draw, and why
+    assert prog.counters()["drawing"] == ({"declared": ["L__self__lin"]} if live else {})
 
 
 def test_one_sessions_bytes_are_the_same_alone_interleaved_and_concurrent(setup):

@@ -41,13 +41,17 @@ class Census:
     def counters(self) -> dict[str, Any]:
         """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners
         and lanes). Warm-up is not traffic: only its captures are counted."""
-        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {}}
+        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {},
+                                 "drawing": {}}
         for lane in self.lanes.lanes:
             c = lane.runners.counters()
             for k in ("replays", "eager", "invalidations", "captures"):
                 total[k] += c[k]
             for reason, n in c["rejections"].items():
                 total["rejections"][reason] = total["rejections"].get(reason, 0) + n
+            for why, names in c["drawing"].items():
+                mine = total["drawing"].setdefault(why, [])
+                mine.extend(x for x in names if x not in mine)
         return total
 
     def memory(self, sessions: Iterable[_Sized]) -> dict[str, int]:

@@ -103,6 +103,7 @@ class ExactShapeReplay:
         self._stream_warm = False  # a run of fn on this backend's capture stream has happened
         self.arena = arena
         self.name = name
+        self.draws: str | None = None  # why its graph draws, set by the runner that owns it (None: it does not)
         self.aliased = tuple(sorted(set(aliased)))
         self._aliased_set = frozenset(self.aliased)
         self.backend: ReplayBackend = CudaGraphBackend() if backend is None else backend

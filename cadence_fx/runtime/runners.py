@@ -66,6 +66,9 @@ class ReplayRunner(torch.nn.Module):
         self.engine = engine
         self.gate = gate
         self.random = random  # draws: replayed (or run eagerly) with the calling session's streams
+        # why it draws, for the counters: an op of its graph says so, or a capture's probe saw the device
+        # generator move (a kernel that takes an offset although no op is a declared draw)
+        engine.draws = "declared" if random else None
 
     def forward(self, *args: Any) -> Any:
         session = self.gate.session
@@ -79,6 +82,7 @@ class ReplayRunner(torch.nn.Module):
                     log.warning("partition %s draws from the device generator although no op in it is a "
                                 "draw; its calls now run with the session's random streams", self.engine.name)
                     self.random = True
+                    self.engine.draws = "found_by_probe"
         if self.random:
             if rng_mod.LOCKLESS_DRAW_REPLAY and active_session_rng() is not None:
                 # a replay loads the session's stream into the lane's generator state itself (no lock);
@@ -113,14 +117,21 @@ class RunnerSet:
     arena: StagingArena = field(default_factory=StagingArena)
 
     def counters(self) -> dict[str, Any]:
-        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed)."""
-        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {}}
+        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed), and which
+        wrapped callables draw (``drawing``: by why, the callables' names): each replay of one that draws
+        runs with the calling session's random streams, under the draws' lock unless lock-free."""
+        total: dict[str, Any] = {"replays": 0, "eager": 0, "invalidations": 0, "captures": 0, "rejections": {},
+                                 "drawing": {}}
         for eng in self.engines.values():
             c = eng.counters
             for k in ("replays", "eager", "invalidations", "captures"):
                 total[k] += getattr(c, k)
             for reason, n in c.rejections.items():
                 total["rejections"][reason] = total["rejections"].get(reason, 0) + n
+            if eng.draws:
+                names = total["drawing"].setdefault(eng.draws, [])
+                if eng.name not in names:
+                    names.append(eng.name)
         return total
 
     @contextmanager
