@@ -543,14 +543,19 @@ def test_migration_drain_and_a_kill_while_a_router_streams_lose_and_duplicate_no
     replayed = ray.get(ctl.status.remote())["metrics"]["counters"]["replayed_chunks"]
     victim = None
     for r in range(11):
+        if r == K:  # the router asked for a checkpoint after chunk K - 1 without waiting: wait for it, so
+            # every base is chunk K (landing after chunks the kill then loses, it would leave nothing to re-run)
+            assert all(router.checkpointed(c, timeout=60) == K for c in s.seeds)
+        if r == 6:
+            owners = list(affinity(ctl).values())
+            victim = max(set(owners), key=owners.count)
+            victim_handle = ray.get(ctl.worker_handle.remote(victim))
         refs = s.submit()
         if r == 2:
             source = affinity(ctl)["rr0"]
             ray.get(ctl.migrate.remote("rr0", next(w for w in live_workers(ctl) if w != source)))
-        if r == 6:
-            owners = list(affinity(ctl).values())
-            victim = max(set(owners), key=owners.count)
-            ray.kill(ray.get(ctl.worker_handle.remote(victim)), no_restart=True)
+        if r == 6:  # right after the chunks were sent: they are in flight (some may be answered first)
+            ray.kill(victim_handle, no_restart=True)
         s.collect(refs)
         if r == 6:
             ray.get(ctl.add_worker.remote(worker_config(demo), "worker-6", OPTIONS))  # a replacement
@@ -560,8 +565,13 @@ def test_migration_drain_and_a_kill_while_a_router_streams_lose_and_duplicate_no
             ray.get(ctl.undrain.remote(drained))
             ray.get(ctl.rebalance.remote())
     assert s.workers["rr0"][3] != s.workers["rr0"][1]  # moved after chunk 2
-    resumed = {r["conv_id"] for r in ray.get(ctl.resumes.remote()) if r["from"] == victim}
+    resumes = [r for r in ray.get(ctl.resumes.remote()) if r["from"] == victim]
+    resumed = {r["conv_id"] for r in resumes}
     assert resumed and victim not in affinity(ctl).values()
+    assert all(r["base_seq"] == K for r in resumes)  # the checkpoint waited for above
+    # the router's journal: chunks K and K + 1, and chunk 6 where the victim answered it before it died
+    rerun = sum(6 - K + (s.workers[c][6] == victim) for c in resumed)
+    assert ray.get(ctl.status.remote())["metrics"]["counters"]["replayed_chunks"] - replayed >= rerun > 0
     assert ray.get(ctl.status.remote())["metrics"]["counters"]["replayed_chunks"] > replayed  # the router's journal
     assert router.stats["rerouted"] >= 1 + len(resumed)
     s.check()

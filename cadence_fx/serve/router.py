@@ -145,6 +145,19 @@ class Router:
         with self._lock:
             return len(self._routes)
 
+    def checkpointed(self, conv_id: str, timeout: float | None = None) -> int | None:
+        """Wait (up to ``timeout`` seconds) for the checkpoint this router last asked for ``conv_id``, if
+        one is pending: the chunk number a resume would start at (the journal keeps only the chunks from
+        there on), or ``None`` when none was pending. Call it between two of the conversation's chunks.
+        A checkpoint is asked for without waiting, so the chunks sent meanwhile may land before it or
+        after; waiting fixes the base, and a resume then re-runs every chunk answered after this one."""
+        route = self._route(conv_id)
+        pending = route.pending
+        if pending is None:
+            return None
+        pending.result(timeout)  # its error, if it failed, is the caller's (the journal stays whole)
+        return self._checkpoint_done(route, pending)
+
     # ------------------------------------------------------------------ the plans
     def _open(self, conv_id: str, seed: int | None, prompt: Any, wait_s: float, worker: str | None) -> Plan[dict[str, Any]]:
         opened: dict[str, Any] = yield self.controller.open.remote(conv_id, seed, prompt, wait_s=wait_s,
@@ -226,10 +239,8 @@ class Router:
         self.stats["chunks"] += 1
         pending = route.pending
         if pending is not None and pending.done():
-            route.pending = None
             try:
-                done = int(pending.result())
-                route.journal = [e for e in route.journal if e.seq >= done]
+                self._checkpoint_done(route, pending)
             except Exception as e:  # the journal stays whole: the next checkpoint covers it
                 log.warning("conversation %s: a checkpoint failed (%r)", conv_id, e)
         route.since += 1
@@ -242,6 +253,15 @@ class Router:
         if len(route.timings) >= self.report_every:
             self.controller.report.remote(conv_id, res.worker, route.timings)
             route.timings = []
+
+    @staticmethod
+    def _checkpoint_done(route: _Route, pending: Future) -> int:
+        """``pending`` (done) was the checkpoint asked for: the journal drops the chunks before it."""
+        if route.pending is pending:
+            route.pending = None
+        done = int(pending.result())
+        route.journal = [e for e in route.journal if e.seq >= done]
+        return done
 
 
 class _Done:
