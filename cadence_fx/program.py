@@ -4,8 +4,7 @@ The façade over the lanes, the session host and the census. :class:`OptimizedPr
 program source (:mod:`cadence_fx.build`): :func:`optimize` hands it a :class:`~cadence_fx.build.PassesSource`
 (the pass pipeline over the exported programs), :func:`cadence_fx.load` an artifact's source. The
 façade keeps the default session's call path (a transaction: :mod:`cadence_fx.runtime.transaction`)
-and hosts the sessions (:mod:`cadence_fx.runtime.sessions`); warm-up (:mod:`cadence_fx.runtime.warmup`)
-and the census of engines, counters and bytes (:mod:`cadence_fx.runtime.census`) live apart.
+and hosts the sessions (:mod:`cadence_fx.runtime.sessions`); warm-up and the census live apart.
 """
 
 from __future__ import annotations
@@ -300,10 +299,9 @@ class OptimizedProgram:
         return self.census.runners()
 
     def counters(self) -> dict[str, Any]:
-        """Replays, eager fallbacks, rejections by reason, invalidations, captures (summed over runners
-        and lanes), and ``drawing``: the wrapped callables whose replays draw, by why (``declared``: an
-        op of the graph is a draw; ``found_by_probe``: a capture saw the device generator move). Warm-up
-        is not traffic: only its captures are counted."""
+        """Replays, fallbacks, rejections by reason, invalidations, captures (over runners and lanes;
+        warm-up counts only its captures) and ``drawing``: callables whose replays draw, ``declared``
+        by an op or ``found_by_probe`` (a capture saw the device generator move)."""
         return self.census.counters()
 
     def memory_census(self) -> dict[str, int]:
