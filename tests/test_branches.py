@@ -404,6 +404,7 @@ def test_an_op_draws_says_draws_nothing_leaves_the_generator_untouched():
                                             aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
              for p in (0.0, 0, 0.3, 1.0) for train in (False, True)]
     cases += [(aten.scaled_dot_product_attention.default, (x, x, x, None, p)) for p in (0.0, 0.2)]
+    cases += [(aten._scaled_dot_product_flash_attention_for_cpu.default, (x, x, x, 0.0))]  # no dropout on CPU
     moved = 0
     for op, args in cases:
         g = torch.fx.Graph()
@@ -415,6 +416,43 @@ def test_an_op_draws_says_draws_nothing_leaves_the_generator_untouched():
         moved += changed
         assert draws(node) or not changed, f"{op} {args[1:]} drew although draws() said it does not"
     assert moved >= 5  # the grid has ops that do draw: the check above is not vacuous
+
+
+def test_the_fused_attention_kernels_of_a_gpu_export_draw_only_with_dropout() -> None:
+    """An export on a GPU holds the kernel SDPA dispatched to (in half precision flash attention, where
+    the CPU's export keeps SDPA): each is seeded, and each draws only for a ``dropout_p`` that is not a
+    literal 0, found by its schema's position or by name, or its default when left out. A float16
+    Token2Wav marked its 10 flow-estimator graphs as drawing through these, and took the draws' lock 11
+    times a chunk."""
+    from cadence_fx.analysis.ops import draws, is_random
+
+    aten = torch.ops.aten
+    fused = [aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+             aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_fused_attention_overrideable.default, aten._flash_attention_forward.default,
+             aten._efficient_attention_forward.default]
+    for op in fused:
+        args = op._schema.arguments
+        where = next(i for i, a in enumerate(args) if a.name == "dropout_p")
+        for p, expect in ((0.0, False), (0, False), (0.1, True)):
+            for by_name in (False, True):
+                g = torch.fx.Graph()
+                lead = tuple(g.placeholder(f"a{i}") for i in range(where))
+                node = (g.call_function(op, lead, {"dropout_p": p}) if by_name
+                        else g.call_function(op, lead + (p,)))
+                assert is_random(node) and draws(node) is expect, (op, p, by_name)
+        g = torch.fx.Graph()
+        ph = g.placeholder("p")
+        runtime_p = g.call_function(op, tuple(g.placeholder(f"a{i}") for i in range(where)) + (ph,))
+        assert draws(runtime_p), f"{op}: a dropout_p known only at run time may draw"
+        if args[where].has_default_value():
+            g = torch.fx.Graph()
+            left_out = g.call_function(op, tuple(g.placeholder(f"a{i}") for i in range(where)))
+            assert draws(left_out) is not _zero_default(args[where].default_value), op
+
+
+def _zero_default(value: object) -> bool:
+    return isinstance(value, (int, float)) and value == 0
 
 
 def test_auto_replay_branches_a_one_lane_program_only(monkeypatch) -> None:

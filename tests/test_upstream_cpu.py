@@ -516,6 +516,8 @@ def test_full_step_0_1_2_float16():
     torch.manual_seed(7)
     stock = run_stream(step.driver_call, step, state, fresh)
     prog, ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, replay="off", seed=7)
+    # Only HiFT's draws are marked: the flow's fused attention (dropout 0) draws nothing.
+    assert prog.stats["passes"]["mark_randomness"] == len(eps)
     assert prog.stats["passes"]["inline_autocast"] == len(eps)
     # the solver's history workspace, written inside the autocast block, is the region buffer there too
     assert prog.stats["passes"]["envelope_state"] == len(eps)

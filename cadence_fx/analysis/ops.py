@@ -128,15 +128,24 @@ def draws(node: Node) -> bool:
 
     A dropout with ``p == 0`` or ``train=False`` returns its input; ``scaled_dot_product_attention``
     with ``dropout_p == 0`` asks no generator for an offset in any of its kernels (math, flash,
-    memory-efficient, cuDNN). Models in eval mode keep both in their exported graphs, and treating them
-    as draws would order every replay that holds one after every other lane's (the session streams of
-    :mod:`cadence_fx.runtime.rng`) and make each a fence for parallel branches.
+    memory-efficient, cuDNN), nor do those kernels' own ops, which an export on a GPU may hold in its
+    place. A kernel that moved the generator anyway would be caught by the capture probe
+    (``found_by_probe`` in the counters) and replayed as one that draws. Models in eval mode keep both
+    in their exported graphs, and treating them as draws would order every replay that holds one after
+    every other lane's (the session streams of :mod:`cadence_fx.runtime.rng`, one lock) and make each a
+    fence for parallel branches.
     """
     if not is_random(node):
         return False
     name = overload_name(node)
     if name in _DROPOUTS:
         return not (_zero(_literal(node, 1, "p")) or _literal(node, 2, "train") is False)
-    if name == "scaled_dot_product_attention":
-        return not _zero(_literal(node, 4, "dropout_p", 0.0))
+    if "attention" in name:
+        # SDPA and the fused kernels it dispatches to (flash, memory-efficient, cuDNN, CPU flash: what
+        # the autocast block holds once inline_autocast has lowered it), by their schema's dropout_p
+        schema = node.target._schema  # type: ignore[union-attr]
+        where = next((i for i, a in enumerate(schema.arguments) if a.name == "dropout_p"), None)
+        if where is not None:
+            default = schema.arguments[where].default_value
+            return not _zero(_literal(node, where, "dropout_p", default))
     return True
