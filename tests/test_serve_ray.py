@@ -716,6 +716,37 @@ def test_checkpoints_left_in_the_workers_object_store_survive_a_sigkill_of_it(cl
         ray.kill(ctl)
 
 
+def test_a_resume_refused_by_a_worker_fuller_than_the_controller_knows_goes_on_elsewhere(cluster, demo):
+    """The controller's count of a worker can run behind the worker's own (a conversation opened on it
+    straight, a move in flight): the worker it picks to resume on then refuses. The conversation must not
+    be left pointing at that worker (which would answer "unknown conversation"): it is placed past the
+    capacity (no other worker is alive) and its stream goes on bit for bit."""
+    model = demo[0]
+    ctl = start_controller([worker_config(demo, capacity=1)] * 2, config=ControllerConfig(
+        checkpoint=CheckpointPolicy(every=K), health_interval_s=0), name="refused-resume", worker_options=OPTIONS)
+    try:
+        ray.get(ctl.open.remote("r", seed=5, prompt=prompt(model, 5)))
+        got = []
+
+        def run(chunks):
+            for _ in range(chunks):
+                got.append(ray.get(ctl.step.remote("r", len(got), list(demo_inputs(CFG, 5, len(got))))).outputs[0])
+
+        run(3)
+        home = affinity(ctl)["r"]
+        (other,) = [n for n in live_workers(ctl) if n != home]
+        ray.get(ray.get(ctl.worker_handle.remote(other)).open.remote("squatter", seed=1))  # behind its back
+        ray.kill(ray.get(ctl.worker_handle.remote(home)), no_restart=True)
+        run(3)
+        assert affinity(ctl)["r"] == other
+        assert ray.get(ctl.status.remote())["metrics"]["counters"]["overcommit"] >= 1
+        assert sha256(got) == solo_digest(demo, 5, 6)
+    finally:
+        for name in live_workers(ctl):
+            ray.kill(ray.get(ctl.worker_handle.remote(name)))
+        ray.kill(ctl)
+
+
 def test_a_conversation_state_pickles_as_byte_arrays_and_comes_back_bit_for_bit():
     """What crosses the object store: every region tensor as a byte array (out of band under pickle
     protocol 5), any dtype and layout, the same bits back; the rest of the state unchanged."""

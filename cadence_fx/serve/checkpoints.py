@@ -238,11 +238,12 @@ class Failover:
     async def _resume_locked(self, conv: Any) -> None:
         source = conv.worker
         died_at = self._workers[source].died_at if source in self._workers else None
-        for _attempt in range(len(self._workers) + 1):
+        refused: list[str] = []  # workers that said they were full though the views gave them room
+        for _attempt in range(2 * len(self._workers) + 1):
             views = self._views()
             try:
-                target, over = choose(views), False
-            except AdmissionRefused:
+                target, over = choose(views, exclude=refused), False
+            except (AdmissionRefused, NoWorkers):  # NoWorkers again below when none is alive at all
                 target, over = choose(views, overcommit=True), True
                 self.metrics.count("overcommit")
                 log.warning("no worker has room to resume %s: placed on %s past its capacity", conv.conv_id, target)
@@ -255,7 +256,17 @@ class Failover:
                 self._worker_died(target, e)
                 continue
             except RayTaskError as e:
-                raise e.as_instanceof_cause() from None
+                # the target holds no state of it: the conversation stays with its dead worker (resumed
+                # again by its next call), never on a live worker that would answer "unknown"
+                conv.worker = source
+                cause = e.as_instanceof_cause()
+                if isinstance(cause, AdmissionRefused) and not over:
+                    # its count ran ahead of ours (a conversation opened on it straight, a move in
+                    # flight): the next worker with room, else past a capacity
+                    refused.append(target)
+                    log.warning("resume of %s refused by %s (%s); trying another", conv.conv_id, target, cause)
+                    continue
+                raise cause from None
             conv.epoch += 1  # a new placement: chunks sent under the old one are refused
             if conv.routed:  # the worker is at the base; the router's journal has the chunks since
                 conv.next_seq, conv.lagging = report.base_seq + report.replayed, True
