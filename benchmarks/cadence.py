@@ -121,6 +121,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.cadence_exact import run_solo_child  # noqa: E402
 from benchmarks.cadence_measure import BusyWindow, busy_fraction, timeline, union_length  # noqa: E402
 from benchmarks.cadence_model import dtype_hook  # noqa: E402
+from benchmarks.cadence_placement import gpu_name  # noqa: E402
 from benchmarks.cadence_rows import limits, merge_row, table  # noqa: E402
 from benchmarks.cadence_run import Run, draw_replay_modes  # noqa: E402
 from benchmarks.cadence_stock import run_stock_child  # noqa: E402
@@ -290,6 +291,7 @@ def main() -> None:
         if args.model == "code2wav":
             code2wav.check_solo_from(args.solo_from, args)
         run.adopt_solo(args.solo_from)
+        run.check_solo_device(gpu_name(run.visible))
     solo = None if args.solo_from else run.start_solo(k)
     # the SRc workers build beside the solo runs when SRc comes first; otherwise when its turn comes
     # (they hold their GPU's memory until the SRc cell is over)

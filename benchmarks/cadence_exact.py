@@ -109,11 +109,13 @@ class SoloDigests:
         self.meta.update(solo_from=path, solo_device=rep.get("device"))
         print(f"solo digests of {len(self.solo)} scripts from {path}", file=sys.stderr, flush=True)
 
-    def check_solo_device(self) -> None:
-        """Digests taken on another GPU model gate nothing here: a kernel choice may differ."""
-        theirs = self.meta.get("solo_device")
-        if theirs is not None and self.device is not None and theirs != self.device:
-            raise SystemExit(f"--solo-from: the solo digests were taken on a {theirs}, this run is on a {self.device}")
+    def check_solo_device(self, device: str | None = None) -> None:
+        """Digests taken on another GPU model gate nothing here: a kernel choice may differ. ``device``:
+        this host's GPU by NVML, before any worker is built (a wrong card stops the run in seconds,
+        not after minutes of export), else the device the workers reported."""
+        theirs, device = self.meta.get("solo_device"), device or self.device
+        if theirs is not None and device is not None and theirs != device:
+            raise SystemExit(f"--solo-from: the solo digests were taken on a {theirs}, this run is on a {device}")
 
 
 # --------------------------------------------------------------------------- the gate

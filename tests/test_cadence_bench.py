@@ -192,6 +192,12 @@ def test_solo_digests_from_an_earlier_report_only_where_every_setting_fits(tmp_p
     run.device = "NVIDIA H100 80GB HBM3"
     with pytest.raises(SystemExit, match="H200.*H100"):
         run.check_solo_device()
+    # before any worker reported (run.device unset): this host's card by NVML stops a wrong card at once
+    run.device = None
+    run.check_solo_device(None)  # no GPU name known yet: checked again once the workers report
+    with pytest.raises(SystemExit, match="H200.*H100"):
+        run.check_solo_device("NVIDIA H100 80GB HBM3")
+    assert cadence.gpu_name([]) is None  # no GPU handed out: no name, no CUDA context opened
     for change, words in ((dict(dtype="float32"), "dtype"), (dict(chunks_per_session=30), "chunks_per_session"),
                           (dict(reduced=True), "reduced"), (dict(solo_sha={"0": "a"}), r"script\(s\) \[1\]")):
         path.write_text(json.dumps({**good, **change}))
