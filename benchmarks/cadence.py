@@ -119,9 +119,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import cadence_code2wav as code2wav  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.cadence_exact import run_solo_child  # noqa: E402
-from benchmarks.cadence_measure import BusyWindow, busy_fraction, timeline, union_length  # noqa: E402
+from benchmarks.cadence_measure import BusyWindow, busy_fraction, gpu_name, timeline, union_length  # noqa: E402
 from benchmarks.cadence_model import dtype_hook  # noqa: E402
-from benchmarks.cadence_placement import gpu_name  # noqa: E402
 from benchmarks.cadence_rows import limits, merge_row, table  # noqa: E402
 from benchmarks.cadence_run import Run, draw_replay_modes  # noqa: E402
 from benchmarks.cadence_stock import run_stock_child  # noqa: E402

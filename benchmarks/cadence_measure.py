@@ -4,6 +4,7 @@
   records are clipped to the window and merged (:func:`union_length`: lanes overlap) into a busy
   fraction (:func:`busy_fraction`); :func:`device_busy` pools the windows of processes sharing a GPU.
 - :class:`NvmlSampler`: NVML's device-wide utilization, sampled by the coordinator over a run.
+  :func:`gpu_name`: the card's name by NVML, before any CUDA context (``--solo-from``'s early check).
 - :func:`timeline`: a worker's latency by arrival time, to tell a backlog that builds from a transient.
 
 Latency percentiles are the harness's (:func:`benchmarks.harness.percentile`, nearest rank).
@@ -212,6 +213,30 @@ def device_busy(parts: list[dict]) -> list[dict]:
     return out
 
 
+def nvml_handles(gpus: list[str]) -> list:
+    """NVML's handles of ``gpus`` (``CUDA_VISIBLE_DEVICES`` entries: indices or UUIDs); raises without
+    pynvml. NVML opens no CUDA context, so the parent of MPS clients may ask."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return [pynvml.nvmlDeviceGetHandleByIndex(int(g)) if g.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(g)
+            for g in gpus]
+
+
+def gpu_name(visible: list[str]) -> str | None:
+    """The name of the first GPU handed out, as ``torch.cuda.get_device_name`` gives it; ``None``
+    without a GPU or without pynvml."""
+    if not visible:
+        return None
+    try:
+        import pynvml
+
+        name = pynvml.nvmlDeviceGetName(nvml_handles(visible[:1])[0])
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 -- no NVML: the workers' own report is checked later
+        return None
+
+
 class NvmlSampler(threading.Thread):
     """NVML utilization of the given GPUs every ``every`` s while running (nothing without pynvml)."""
 
@@ -227,9 +252,7 @@ class NvmlSampler(threading.Thread):
         try:
             import pynvml
 
-            pynvml.nvmlInit()
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(int(g)) if g.isdigit()
-                       else pynvml.nvmlDeviceGetHandleByUUID(g) for g in self.gpus]
+            handles = nvml_handles(self.gpus)
             while time.time() < self.stop_at:
                 if time.time() >= self.start_at:
                     for i, h in enumerate(handles):

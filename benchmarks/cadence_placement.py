@@ -28,23 +28,6 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def gpu_name(visible: list[str]) -> str | None:
-    """The name of the first GPU handed out, as ``torch.cuda.get_device_name`` gives it, read by NVML
-    so that this process opens no CUDA context (it may be about to start an MPS daemon); ``None``
-    without a GPU or without pynvml."""
-    if not visible:
-        return None
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        g = visible[0]
-        h = pynvml.nvmlDeviceGetHandleByIndex(int(g)) if g.isdigit() else pynvml.nvmlDeviceGetHandleByUUID(g)
-        name = pynvml.nvmlDeviceGetName(h)
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # noqa: BLE001 -- no NVML: the workers' own report is checked later
-        return None
-
-
 def child_env(visible: list[str], g: int) -> dict:
     """A child's environment: one GPU (``visible[g]``), numbered as NVML numbers them; on a host
     without GPUs (the CPU smoke test) the "GPUs" are just separate processes."""
