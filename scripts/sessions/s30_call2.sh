@@ -10,6 +10,6 @@ procs=${PROCS:-$procs} lanes=${LANES:-$lanes} sessions=${SESSIONS:-$sessions}   
 echo "procs $procs lanes $lanes sessions $sessions stock ${STOCK:-3,4}"
 OUT=$OUT/cad timeout ${LIMIT:-575} bash scripts/gpu.sh moshi-cadence --cells SRc,stock --sessions $sessions \
     --stock-sessions ${STOCK:-3,4} --procs-per-gpu $procs --mps --lanes $lanes --seconds 60 --warm-seconds 2 --branches 3 \
-    --busy-window 0 --time-budget $((${LIMIT:-575} - 15)) --row-slack 5 > /dev/null 2>&1
+    --busy-window 0 --time-budget $((${LIMIT:-575} - 15)) --row-slack 5 ${EXTRA:-} > /dev/null 2>&1
 grep -v "_warn_once" $OUT/cad/moshi-cadence.log | tail -12
 python3 -c "import json; r=json.load(open('$OUT/cad/moshi-cadence.json')); print('mps', r['setup'].get('mps')); [print(x.get('cell'), x['n_sessions'], x.get('counters')) for x in r['rows']]"
