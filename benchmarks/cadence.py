@@ -172,6 +172,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--procs-per-gpu", type=int, default=1,
                     help="SRc worker processes per GPU, each with --lanes lanes and an interpreter of its own; a "
                          "GPU's sessions are dealt round robin over them (default 1)")
+    ap.add_argument("--share-weights", action="store_true",
+                    help="--model moshi with --procs-per-gpu > 1: slot 0 of each GPU publishes its LM's parameters "
+                         "(CUDA IPC) and the other slots map them once they are bitwise equal to their own "
+                         "(cadence_fx.runtime.process_weights): one copy of the weights per GPU, not per process")
+    ap.add_argument("--share-weights-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mps", action="store_true",
                     help="run the SRc workers under an MPS control daemon of this run's own (kernels of several "
                          "processes on one GPU at once); where none starts, the rows say so and run without")
@@ -246,6 +251,19 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_share_weights(args, visible: list[str]) -> None:
+    """``--share-weights`` where it can work: Moshi (the other models' weights are small), several
+    worker processes per GPU, and GPUs (CUDA IPC); anything else stops the run before it starts."""
+    if not args.share_weights:
+        return
+    if args.model != "moshi":
+        raise SystemExit("--share-weights: wired for --model moshi only (the other models' weights are small)")
+    if args.procs_per_gpu < 2:
+        raise SystemExit("--share-weights: needs --procs-per-gpu > 1 (one process already holds one copy)")
+    if not visible:
+        raise SystemExit("--share-weights: needs GPUs (the weights are shared through CUDA IPC)")
+
+
 def main() -> None:
     args = parser().parse_args()
     draw_replay_modes(args.draw_replay)  # a mode that is not one stops the run before anything starts
@@ -285,6 +303,7 @@ def main() -> None:
         raise SystemExit(f"--procs-per-gpu {args.procs_per_gpu}: at least 1")
     if args.procs_per_gpu > 1 and args.pack:
         raise SystemExit("--procs-per-gpu > 1 shares each GPU among workers; --pack gives each row GPUs of its own")
+    check_share_weights(args, run.visible)
     k = max(gpus)
     if args.solo_from:
         if args.model == "code2wav":

@@ -244,6 +244,25 @@ class Conversations:
         return out
 
 
+def _share_lm_weights(gen: Any, args) -> dict:
+    """``--share-weights``: slot 0 publishes the LM's parameters, every other slot of the GPU maps them
+    (after its own build, which they must equal bit for bit) before anything is exported, so the
+    programs and their graphs read the one copy. Returns what the ready line reports."""
+    from cadence_fx.runtime.process_weights import map_weights, publish_weights
+
+    path = os.path.join(args.share_weights_dir, f"lm-gpu{args.worker}.json")
+    t0 = time.perf_counter()
+    if args.slot == 0:
+        mib = publish_weights(gen.lm_model, path) / 2**20
+        out = dict(role="published", mib=mib)
+    else:
+        mib = map_weights(gen.lm_model, path, wait_s=300) / 2**20
+        out = dict(role="mapped", freed_mib=mib)
+    out["seconds"] = time.perf_counter() - t0
+    print(f"[moshi] LM weights {out['role']}: {mib:.0f} MiB in {out['seconds']:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
 def optimized_bench(args, device: str) -> tuple[MoshiBench, Conversations, dict]:
     """Build, export and optimize the three steps with ``args.lanes`` lanes, free the upstream copy of
     the state and capture every lane: the SRc worker's model. Returns (bench, programs, facts)."""
@@ -254,6 +273,8 @@ def optimized_bench(args, device: str) -> tuple[MoshiBench, Conversations, dict]
     examples = steps.examples()
     contracts = {s: mo.moshi_contract(getattr(steps, s)) for s in STAGES}
     facts: dict[str, Any] = dict(build_s=build_s, export_s={}, optimize_s={}, warmup_s={})
+    if getattr(args, "share_weights_dir", None):
+        facts["share_weights"] = _share_lm_weights(steps.lm.gen, args)
     progs = {}
     for s in STAGES:
         step = getattr(steps, s)

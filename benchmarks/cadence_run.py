@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -66,6 +67,7 @@ class Run(SoloDigests):
         self.warm_s = args.warm_seconds if args.warm_seconds is not None else (10.0 if self.visible else 0.0)
         self.mps: MpsDaemon | None = None
         self._deferred: list[tuple[int, int]] = []  # (gpu, slot) of workers that start once slot 0 is ready
+        self._share_dir: str | None = None  # --share-weights: where slot 0 publishes its weights
 
     # ------------------------------------------------------------------ rows
     def add(self, row: dict) -> None:
@@ -117,12 +119,20 @@ class Run(SoloDigests):
                   "--branches", str(a.branches), *(["--blas-streams", str(a.blas_streams)] if a.blas_streams else []),
                   *(["--journal"] if a.journal else []),
                   *(["--full-lanes", str(a.full_lanes)] if a.full_lanes is not None else []),
-                  *(["--artifact", a.artifact] if a.artifact else [])]
+                  *(["--artifact", a.artifact] if a.artifact else []),
+                  *(["--share-weights-dir", self.share_dir()] if a.share_weights and a.procs_per_gpu > 1 else [])]
         env = worker_env(child_env(self.visible, g), a.cuda_connections)
         if self.mps is not None:
             env = self.mps.env(env)
         return Worker(g, [sys.executable, str(ENTRY), "--worker", str(g), "--slot", str(slot)] + common
                       + passthrough(a), env, slot=slot)
+
+    def share_dir(self) -> str:
+        """``--share-weights``: the run's own directory of publications (one per GPU, by slot 0)."""
+        if self._share_dir is None:
+            self._share_dir = tempfile.mkdtemp(prefix="cadence-weights-")
+            self.meta["share_weights"] = dict(dir=self._share_dir)
+        return self._share_dir
 
     def ready(self, workers: list[Worker]) -> list[dict]:
         """Every worker's ready line; workers deferred by :meth:`start_workers` start (into ``workers``)

@@ -357,3 +357,20 @@ def test_the_other_processes_of_a_gpu_start_from_the_artifact_slot_0_saved(tmp_p
     assert workers[0]["load_s"] is None and workers[0]["optimize_s"] > 0
     assert workers[1]["load_s"] is not None and workers[1]["optimize_s"] == 0.0
     assert art.exists() and rep["rows"][0]["bitexact"] is True
+
+
+def test_share_weights_only_where_it_can_work():
+    import argparse
+
+    ok = dict(share_weights=True, model="moshi", procs_per_gpu=2)
+    cadence.check_share_weights(argparse.Namespace(**ok), ["0"])
+    cadence.check_share_weights(argparse.Namespace(**{**ok, "share_weights": False, "model": "token2wav"}), [])
+    for change, visible, words in ((dict(model="token2wav"), ["0"], "moshi only"),
+                                   (dict(procs_per_gpu=1), ["0"], "procs-per-gpu"), ({}, [], "needs GPUs")):
+        with pytest.raises(SystemExit, match=words):
+            cadence.check_share_weights(argparse.Namespace(**{**ok, **change}), visible)
+    args = argparse.Namespace(model="moshi", dtype="float32", reduced=True, scripts=2, seconds=1.0, period=0.08,
+                              warm_seconds=None)
+    run = cadence.Run(args)
+    assert run.share_dir() == run.share_dir() and os.path.isdir(run.share_dir())
+    assert run.meta["share_weights"]["dir"] == run.share_dir()
