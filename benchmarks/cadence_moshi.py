@@ -40,6 +40,7 @@ Every process runs with ``NO_TORCH_COMPILE=1`` and the determinism envelope (``p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -244,19 +245,42 @@ class Conversations:
         return out
 
 
+@contextlib.contextmanager
+def _build_turn(args):
+    """``--share-weights``: one worker of a GPU builds at a time (the upstream build initialises the LM
+    in fp32 before casting it, twice the bf16 weights at its peak, so four at once overflow an H100);
+    slot 0 first, the others once its weights are published."""
+    import fcntl
+
+    from cadence_fx.runtime.process_weights import read_publication
+
+    if args.slot != 0:
+        read_publication(_publication_path(args), wait_s=300)
+    with open(os.path.join(args.share_weights_dir, f"build-gpu{args.worker}.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publication_path(args) -> str:
+    return os.path.join(args.share_weights_dir, f"lm-gpu{args.worker}.json")
+
+
 def _share_lm_weights(gen: Any, args) -> dict:
     """``--share-weights``: slot 0 publishes the LM's parameters, every other slot of the GPU maps them
     (after its own build, which they must equal bit for bit) before anything is exported, so the
     programs and their graphs read the one copy. Returns what the ready line reports."""
     from cadence_fx.runtime.process_weights import map_weights, publish_weights
 
-    path = os.path.join(args.share_weights_dir, f"lm-gpu{args.worker}.json")
+    path = _publication_path(args)
     t0 = time.perf_counter()
     if args.slot == 0:
         mib = publish_weights(gen.lm_model, path) / 2**20
         out = dict(role="published", mib=mib)
     else:
-        mib = map_weights(gen.lm_model, path, wait_s=300) / 2**20
+        mib = map_weights(gen.lm_model, path) / 2**20
         out = dict(role="mapped", freed_mib=mib)
     out["seconds"] = time.perf_counter() - t0
     print(f"[moshi] LM weights {out['role']}: {mib:.0f} MiB in {out['seconds']:.1f} s", file=sys.stderr, flush=True)
@@ -269,12 +293,18 @@ def optimized_bench(args, device: str) -> tuple[MoshiBench, Conversations, dict]
     import cadence_fx as cf
     from cadence_fx.adapters.streaming import export_step_catalog
 
-    mo, _up, _cfg, steps, build_s = _build(args, device)
+    shared = None
+    if getattr(args, "share_weights_dir", None):
+        with _build_turn(args):
+            mo, _up, _cfg, steps, build_s = _build(args, device)
+            shared = _share_lm_weights(steps.lm.gen, args)
+    else:
+        mo, _up, _cfg, steps, build_s = _build(args, device)
     examples = steps.examples()
     contracts = {s: mo.moshi_contract(getattr(steps, s)) for s in STAGES}
     facts: dict[str, Any] = dict(build_s=build_s, export_s={}, optimize_s={}, warmup_s={})
-    if getattr(args, "share_weights_dir", None):
-        facts["share_weights"] = _share_lm_weights(steps.lm.gen, args)
+    if shared is not None:
+        facts["share_weights"] = shared
     progs = {}
     for s in STAGES:
         step = getattr(steps, s)
