@@ -177,6 +177,7 @@ def parser() -> argparse.ArgumentParser:
                          "(CUDA IPC) and the other slots map them once they are bitwise equal to their own "
                          "(cadence_fx.runtime.process_weights): one copy of the weights per GPU, not per process")
     ap.add_argument("--share-weights-dir", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--share-weights-slots", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--mps", action="store_true",
                     help="run the SRc workers under an MPS control daemon of this run's own (kernels of several "
                          "processes on one GPU at once); where none starts, the rows say so and run without")

@@ -246,22 +246,39 @@ class Conversations:
 
 
 @contextlib.contextmanager
-def _build_turn(args):
-    """``--share-weights``: one worker of a GPU builds at a time (the upstream build initialises the LM
-    in fp32 before casting it, twice the bf16 weights at its peak, so four at once overflow an H100);
-    slot 0 first, the others once its weights are published."""
+def _build_turn(args, wait_s: float = 300.0):
+    """``--share-weights``: the workers of a GPU build their LM one at a time, slot 0 first, the others
+    once its weights are published, and none goes on to export, capture or serve before every one has
+    built and mapped. The upstream build initialises the LM at twice its bf16 bytes, so a build beside
+    others' builds, lanes or warm-ups overflows an H100 (session 32: a fourth worker's first
+    allocation failed while the other three captured)."""
     import fcntl
 
     from cadence_fx.runtime.process_weights import read_publication
 
     if args.slot != 0:
-        read_publication(_publication_path(args), wait_s=300)
+        read_publication(_publication_path(args), wait_s=wait_s)
     with open(os.path.join(args.share_weights_dir, f"build-gpu{args.worker}.lock"), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+    done = os.path.join(args.share_weights_dir, f"built-gpu{args.worker}-slot{args.slot}")
+    open(done, "w").close()
+    _wait_for_builds(args, wait_s)
+
+
+def _wait_for_builds(args, wait_s: float) -> None:
+    """Until every slot of this GPU (``--share-weights-slots``) has built; ``SystemExit`` past ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    want = [os.path.join(args.share_weights_dir, f"built-gpu{args.worker}-slot{j}")
+            for j in range(args.share_weights_slots)]
+    while not all(os.path.exists(f) for f in want):
+        if time.monotonic() >= deadline:
+            missing = [j for j, f in enumerate(want) if not os.path.exists(f)]
+            raise SystemExit(f"--share-weights: slot(s) {missing} of gpu {args.worker} did not build in {wait_s:g} s")
+        time.sleep(0.1)
 
 
 def _publication_path(args) -> str:

@@ -120,7 +120,8 @@ class Run(SoloDigests):
                   *(["--journal"] if a.journal else []),
                   *(["--full-lanes", str(a.full_lanes)] if a.full_lanes is not None else []),
                   *(["--artifact", a.artifact] if a.artifact else []),
-                  *(["--share-weights-dir", self.share_dir()] if a.share_weights and a.procs_per_gpu > 1 else [])]
+                  *(["--share-weights-dir", self.share_dir(), "--share-weights-slots", str(a.procs_per_gpu)]
+                    if a.share_weights and a.procs_per_gpu > 1 else [])]
         env = worker_env(child_env(self.visible, g), a.cuda_connections)
         if self.mps is not None:
             env = self.mps.env(env)

@@ -374,3 +374,41 @@ def test_share_weights_only_where_it_can_work():
     run = cadence.Run(args)
     assert run.share_dir() == run.share_dir() and os.path.isdir(run.share_dir())
     assert run.meta["share_weights"]["dir"] == run.share_dir()
+
+
+def test_shared_weight_workers_build_one_at_a_time_and_wait_for_each_other(tmp_path):
+    """``--share-weights``' build turns (threads stand in for a GPU's worker processes): slot 0 builds
+    first, no two builds overlap, and no worker goes on before every slot has built; a slot that never
+    builds stops the others with its number instead of a hang."""
+    import argparse
+    import threading
+    import time
+
+    from benchmarks import cadence_moshi as cm
+
+    events: list[tuple[str, int]] = []
+
+    def worker(slot: int) -> None:
+        a = argparse.Namespace(slot=slot, worker=0, share_weights_dir=str(tmp_path), share_weights_slots=3)
+        with cm._build_turn(a, wait_s=30):
+            events.append(("build", slot))
+            time.sleep(0.2)
+            if slot == 0:
+                Path(cm._publication_path(a)).write_text(json.dumps({"format": "cadence_fx.process_weights/1",
+                                                                     "entries": {}}))
+            events.append(("built", slot))
+        events.append(("on", slot))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    builds = [e for e in events if e[0] in ("build", "built")]
+    assert builds[:2] == [("build", 0), ("built", 0)]
+    assert all(builds[i][0] == "build" and builds[i + 1] == ("built", builds[i][1]) for i in range(0, 6, 2))
+    assert all(e[0] == "on" for e in events[6:]) and len(events) == 9
+    lone = argparse.Namespace(slot=0, worker=1, share_weights_dir=str(tmp_path), share_weights_slots=2)
+    with pytest.raises(SystemExit, match=r"slot\(s\) \[1\] of gpu 1"):
+        with cm._build_turn(lone, wait_s=0.3):
+            pass
