@@ -12,6 +12,7 @@ from cadence_fx.contract import (WHOLE_STEP, Clock, Contract, ContractError, Hea
                                  SlidingWindow)
 from cadence_fx.export import example_inputs, export_catalog
 from cadence_fx.runtime.weights import WeightsChanged
+from cadence_fx.runtime.process_weights import WeightsNotShared, map_weights, publish_weights
 from cadence_fx.plan import Plan, call_classes, format_traffic, plan, region_extents, state_traffic
 from cadence_fx.program import OptimizedProgram, optimize
 from cadence_fx.proposal import Proposal, propose_contract
@@ -28,7 +29,7 @@ __all__ = [
     "ArtifactError", "ArtifactMismatch", "CatalogMiss", "Clock", "Contract", "ContractError", "CudaGraphBackend",
     "HeadTail",
     "OptimizedProgram", "Phase", "Plan", "Proposal", "Region",
-    "RetentionMismatch", "Ring", "Session", "NoLaneToPin", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "call_classes",
-    "example_inputs", "export_catalog", "format_traffic", "load", "optimize", "plan", "propose_contract", "reference", "region_extents", "save", "state_to", "state_traffic",
+    "RetentionMismatch", "Ring", "Session", "NoLaneToPin", "SessionClosed", "SlidingWindow", "Snapshot", "StaleState", "StateMismatch", "WHOLE_STEP", "WeightsChanged", "WeightsNotShared", "call_classes",
+    "example_inputs", "export_catalog", "format_traffic", "load", "map_weights", "optimize", "plan", "propose_contract", "publish_weights", "reference", "region_extents", "save", "state_to", "state_traffic",
 ]
 __version__ = "0.1.0"
