@@ -121,7 +121,7 @@ class Run(SoloDigests):
                   *(["--full-lanes", str(a.full_lanes)] if a.full_lanes is not None else []),
                   *(["--artifact", a.artifact] if a.artifact else []),
                   *(["--share-weights-dir", self.share_dir(), "--share-weights-slots", str(a.procs_per_gpu)]
-                    if a.share_weights and a.procs_per_gpu > 1 else [])]
+                    if a.share_weights else [])]  # check_share_weights: only with procs_per_gpu > 1
         env = worker_env(child_env(self.visible, g), a.cuda_connections)
         if self.mps is not None:
             env = self.mps.env(env)
