@@ -237,6 +237,22 @@ def gpu_name(visible: list[str]) -> str | None:
         return None
 
 
+def gpu_memory_line(gpu: str) -> str:
+    """What NVML says is in use on ``gpu`` (a ``CUDA_VISIBLE_DEVICES`` entry): the device's used and total
+    MiB and each process's, for the error of a worker that died starting (an allocation that fails
+    below the device's total names who held the rest); an empty string without NVML."""
+    try:
+        import pynvml
+
+        h = nvml_handles([gpu])[0]
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+    except Exception:  # noqa: BLE001 -- no NVML: the worker's own traceback is all there is
+        return ""
+    per = ", ".join(f"pid {p.pid} {(p.usedGpuMemory or 0) / 2**20:.0f}" for p in procs)
+    return f"gpu {gpu} memory (NVML): {mem.used / 2**20:.0f} of {mem.total / 2**20:.0f} MiB used; {per or 'no process listed'}\n"
+
+
 class NvmlSampler(threading.Thread):
     """NVML utilization of the given GPUs every ``every`` s while running (nothing without pynvml)."""
 

@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks import harness
-from benchmarks.cadence_measure import BusyWindow, timeline
+from benchmarks.cadence_measure import BusyWindow, gpu_memory_line, timeline
 from benchmarks.cadence_model import Bench, build_bench, child_setup, device_name
 from benchmarks.cadence_traffic import first_arrival, script_tokens
 from benchmarks.token2wav import release_unreferenced
@@ -282,6 +282,7 @@ class Worker:
         self.g = g
         self.slot = slot  # which of its GPU's worker processes (--procs-per-gpu)
         self.name = f"gpu {g}" if slot == 0 else f"gpu {g}.{slot}"
+        self.visible = env.get("CUDA_VISIBLE_DEVICES", str(g)).split(",")[0]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env, bufsize=1)
         self.tail: collections.deque = collections.deque(maxlen=60)
@@ -304,7 +305,8 @@ class Worker:
         if not line:
             self.proc.wait()
             self.relay.join(timeout=5)
-            raise RuntimeError(f"worker on {self.name} exited (rc {self.proc.returncode}):\n" + "".join(self.tail))
+            raise RuntimeError(f"worker on {self.name} exited (rc {self.proc.returncode}):\n" + "".join(self.tail)
+                               + gpu_memory_line(self.visible))
         return json.loads(line)
 
     def close(self) -> None:

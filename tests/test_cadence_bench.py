@@ -412,3 +412,25 @@ def test_shared_weight_workers_build_one_at_a_time_and_wait_for_each_other(tmp_p
     with pytest.raises(SystemExit, match=r"slot\(s\) \[1\] of gpu 1"):
         with cm._build_turn(lone, wait_s=0.3):
             pass
+
+
+def test_a_worker_that_dies_starting_reports_its_traceback_and_the_gpus_memory(monkeypatch):
+    """A worker process that exits before replying raises with its stderr's tail and, where NVML
+    answers, who held the GPU's memory (an allocation failure below the total names the holders)."""
+    from benchmarks import cadence_worker
+
+    monkeypatch.setattr(cadence_worker, "gpu_memory_line", lambda gpu: f"gpu {gpu} memory (NVML): test\n")
+    w = cadence_worker.Worker(3, [sys.executable, "-c", "import sys; sys.stderr.write('boom at build\\n'); sys.exit(2)"],
+                              dict(os.environ, CUDA_VISIBLE_DEVICES="5"), slot=1)
+    with pytest.raises(RuntimeError) as e:
+        w.receive()
+    msg = str(e.value)
+    assert msg.startswith("worker on gpu 3.1 exited (rc 2):")
+    assert "boom at build" in msg and msg.endswith("gpu 5 memory (NVML): test\n")
+
+
+def test_gpu_memory_line_is_empty_where_nvml_cannot_answer():
+    from benchmarks.cadence_measure import gpu_memory_line
+
+    line = gpu_memory_line("no-such-gpu")
+    assert line == "" or line.startswith("gpu no-such-gpu memory (NVML): ")
