@@ -249,8 +249,8 @@ class Conversations:
 def _build_turn(args, wait_s: float = 300.0):
     """``--share-weights``: the workers of a GPU build their LM one at a time, slot 0 first, the others
     once its weights are published, and none goes on to export, capture or serve before every one has
-    built and mapped: a build beside other workers' builds or captures failed a fourth worker's first
-    allocation on an H100 (session 32), and this way a GPU holds one copy plus one build at a time."""
+    built and mapped, so a GPU holds one copy plus one build at a time. (A fourth worker's first
+    allocation still fails on an H100 with this order and the GPU 71 % free: docs/benchmarks.md, session 33.)"""
     import fcntl
 
     from cadence_fx.runtime.process_weights import read_publication
