@@ -188,7 +188,8 @@ def parser() -> argparse.ArgumentParser:
                     help="SRc with --branches: how many of each graph's streams may run matrix products (each keeps "
                          "a cuBLAS workspace per lane); default all")
     ap.add_argument("--cuda-connections", type=int, default=32,
-                    help="CUDA_DEVICE_MAX_CONNECTIONS of the SRc workers (default 32, the most; 0: the driver's 8)")
+                    help="CUDA_DEVICE_MAX_CONNECTIONS of the SRc workers (default 32, the most; 0: the driver's 8); under "
+                         "--mps capped so a GPU's workers fit one pool of 96 (benchmarks/cadence_mps.client_connections)")
     ap.add_argument("--scripts", type=int, default=4)
     ap.add_argument("--journal", action="store_true",
                     help="optimize(..., journal=True): the undo journal in the graphs (for --pin; shared sessions never use it)")

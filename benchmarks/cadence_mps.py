@@ -23,10 +23,27 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["MpsDaemon", "control_binary"]
+__all__ = ["CONNECTION_POOL", "DRIVER_CONNECTIONS", "MpsDaemon", "client_connections", "control_binary"]
 
 # where the driver's tools are mounted on hosts whose PATH does not name them
 _DRIVER_BIN = ("/usr/local/nvidia/bin", "/usr/bin")
+
+# Under MPS a client owns the work queues it asks for (CUDA_DEVICE_MAX_CONNECTIONS) out of one pool per
+# GPU, and a client the pool cannot serve fails its first CUDA call with an out-of-memory error, however
+# much memory is free (NVIDIA's MPS docs; session 34's probe, scripts/sessions/s34_conn_probe.py: three
+# clients of 32 and six of 16 started, a fourth of 32 did not). 96 is the most the probe saw served.
+CONNECTION_POOL = 96
+DRIVER_CONNECTIONS = 8  # what a client gets without the variable
+
+
+def client_connections(requested: int, clients: int, pool: int = CONNECTION_POOL) -> int:
+    """The connections each of ``clients`` MPS clients of one GPU may ask for: ``requested`` (0: the
+    driver's 8) unless ``clients`` of that many would not fit ``pool``, then the most that fits (at
+    least 1). Raises ``ValueError`` for fewer than one client."""
+    if clients < 1:
+        raise ValueError(f"client_connections: {clients} clients")
+    want = requested or DRIVER_CONNECTIONS
+    return max(1, min(want, pool // clients))
 _PROBE = "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize(); print('ok')"
 
 

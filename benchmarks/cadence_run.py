@@ -22,7 +22,7 @@ import torch
 from benchmarks import harness
 from benchmarks.cadence_exact import SoloDigests, script_sha
 from benchmarks.cadence_measure import NvmlSampler
-from benchmarks.cadence_mps import MpsDaemon
+from benchmarks.cadence_mps import CONNECTION_POOL, DRIVER_CONNECTIONS, MpsDaemon, client_connections
 from benchmarks.cadence_placement import ENTRY, child_env, passthrough, sessions_of, visible_gpus
 from benchmarks.cadence_rows import limits, merge_row, progress
 from benchmarks.cadence_stock import StockRow
@@ -68,6 +68,8 @@ class Run(SoloDigests):
         self.mps: MpsDaemon | None = None
         self._deferred: list[tuple[int, int]] = []  # (gpu, slot) of workers that start once slot 0 is ready
         self._share_dir: str | None = None  # --share-weights: where slot 0 publishes its weights
+        # what the workers ask for, capped under MPS by start_workers (0: the driver's default)
+        self.connections = getattr(args, "cuda_connections", 0)
 
     # ------------------------------------------------------------------ rows
     def add(self, row: dict) -> None:
@@ -108,6 +110,13 @@ class Run(SoloDigests):
             if not self.mps.running:
                 print(f"--mps: no MPS daemon ({self.mps.facts.get('error')}); the workers run without one",
                       file=sys.stderr, flush=True)
+            else:
+                self.connections = client_connections(a.cuda_connections, a.procs_per_gpu)
+                if self.connections != (a.cuda_connections or DRIVER_CONNECTIONS):
+                    print(f"--mps: {a.procs_per_gpu} workers per GPU share {CONNECTION_POOL} connections: "
+                          f"{self.connections} each instead of --cuda-connections {a.cuda_connections}",
+                          file=sys.stderr, flush=True)
+                self.meta["mps"]["connections"] = self.connections
         slots = [(g, p) for p in range(a.procs_per_gpu) for g in range(k)]
         if a.artifact and a.procs_per_gpu > 1 and not os.path.exists(a.artifact):
             slots, self._deferred = [x for x in slots if x[1] == 0], [x for x in slots if x[1] > 0]
@@ -122,7 +131,7 @@ class Run(SoloDigests):
                   *(["--artifact", a.artifact] if a.artifact else []),
                   *(["--share-weights-dir", self.share_dir(), "--share-weights-slots", str(a.procs_per_gpu)]
                     if a.share_weights else [])]  # check_share_weights: only with procs_per_gpu > 1
-        env = worker_env(child_env(self.visible, g), a.cuda_connections)
+        env = worker_env(child_env(self.visible, g), self.connections)
         if self.mps is not None:
             env = self.mps.env(env)
         return Worker(g, [sys.executable, str(ENTRY), "--worker", str(g), "--slot", str(slot)] + common
@@ -232,7 +241,7 @@ class Run(SoloDigests):
                     nvml.stop_at = 0
                     row = merge_row("SRc", g, n, parts, self.solo, a.scripts, a.period, self.chunks)
                     row.update(nvml.result(), lanes=a.lanes, full_lanes=a.full_lanes, branches=a.branches,
-                               blas_streams=a.blas_streams, cuda_connections=a.cuda_connections, join_live=a.join_live,
+                               blas_streams=a.blas_streams, cuda_connections=self.connections, join_live=a.join_live,
                                pin=a.pin, journal=a.journal, draw_replay=mode, procs_per_gpu=a.procs_per_gpu,
                                mps=bool(self.mps is not None and self.mps.running),
                                host=[p.get("host") for p in parts],

@@ -434,3 +434,48 @@ def test_gpu_memory_line_is_empty_where_nvml_cannot_answer():
 
     line = gpu_memory_line("no-such-gpu")
     assert line == "" or line.startswith("gpu no-such-gpu memory (NVML): ")
+
+
+def test_mps_workers_of_a_gpu_ask_for_no_more_connections_than_the_pool_serves(monkeypatch):
+    """Under MPS a GPU's clients share one pool of work queues and a client the pool cannot serve fails
+    its first CUDA call (session 34: three clients of 32 started, a fourth did not; six of 16 did).
+    ``client_connections`` caps each worker's ``CUDA_DEVICE_MAX_CONNECTIONS`` to its share; the run
+    records what the workers got, in the row and in ``setup.mps``; without MPS the request stands."""
+    from benchmarks import cadence_mps, cadence_run
+
+    cc = cadence_mps.client_connections
+    assert cc(32, 3) == 32 and cc(32, 4) == 24 and cc(16, 6) == 16 and cc(32, 16) == 6 and cc(32, 500) == 1
+    assert cc(0, 2) == 8 and cc(0, 16) == 6  # 0: the driver's 8, capped as well
+    with pytest.raises(ValueError, match="0 clients"):
+        cc(32, 0)
+
+    class Daemon:  # a daemon that started (no GPU here): what the run reads of one
+        def __init__(self):
+            self.running, self.facts = False, {"requested": True}
+
+        def start(self, _visible):
+            self.running = True
+            self.facts.update(running=True)
+
+        def env(self, base):
+            return dict(base, CUDA_MPS_PIPE_DIRECTORY="/nowhere")
+
+    envs = []
+
+    class FakeWorker:
+        def __init__(self, g, cmd, env, slot=0):
+            envs.append((slot, env))
+
+    monkeypatch.setattr(cadence_run, "MpsDaemon", Daemon)
+    monkeypatch.setattr(cadence_run, "Worker", FakeWorker)
+    for mps, procs, want in ((True, 4, "24"), (True, 2, "32"), (False, 4, "32")):
+        envs.clear()
+        args = cadence.parser().parse_args(["--model", "demo", "--period", "1.0", "--procs-per-gpu", str(procs)] + (["--mps"] if mps else []))
+        run = cadence.Run(args)
+        run.start_workers(1)
+        assert sorted(s for s, _ in envs) == list(range(procs))
+        assert {e["CUDA_DEVICE_MAX_CONNECTIONS"] for _, e in envs} == {want}
+        assert run.connections == int(want)
+        if mps:
+            assert run.meta["mps"]["connections"] == int(want)
+            assert all(e["CUDA_MPS_PIPE_DIRECTORY"] == "/nowhere" for _, e in envs)
