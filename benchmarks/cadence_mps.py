@@ -44,6 +44,8 @@ def client_connections(requested: int, clients: int, pool: int = CONNECTION_POOL
         raise ValueError(f"client_connections: {clients} clients")
     want = requested or DRIVER_CONNECTIONS
     return max(1, min(want, pool // clients))
+
+
 _PROBE = "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize(); print('ok')"
 
 
