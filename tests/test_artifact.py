@@ -244,14 +244,16 @@ def test_token2wav_round_trip_is_bit_exact(token2wav):
     device randomness), over a stream through two trims; the loaded program against the fresh one and
     the unmodified programs, and a session of it against its solo stock run. Eager: replay of a loaded
     program is the demo tests' (capture on the CPU costs more calls than the stream)."""
+    from test_upstream_cpu import full_step_reference_0_1_2
     from tests.test_upstream_cpu import assert_streams_equal
 
-    from cadence_fx.adapters.token2wav import CatalogReference, run_stream
+    from cadence_fx.adapters.token2wav import Token2WavConfig, run_stream
 
-    step, state, fresh, contract, eps, prog, path = token2wav
+    step, state, fresh, contract, _eps, prog, path = token2wav
     loaded = cf.load(path, replay="off", contract=contract)
     streams = {}
-    for name, fn in (("reference", CatalogReference(eps)), ("fresh", prog), ("loaded", loaded)):
+    reference = full_step_reference_0_1_2(Token2WavConfig.reduced())  # the one the upstream tests stream
+    for name, fn in (("reference", reference), ("fresh", prog), ("loaded", loaded)):
         torch.manual_seed(11)  # HiFT draws: every run draws the same numbers
         streams[name] = run_stream(fn, step, state, fresh)
     assert_streams_equal(step, contract, streams["reference"], streams["fresh"])

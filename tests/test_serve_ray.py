@@ -838,14 +838,14 @@ def token2wav(tmp_path_factory):
     """The reduced Token2Wav (stepaudio2 0.1.2, random weights) at the chunk clock, saved once for the
     run: the artifact the artifact tests save (their worker's file, read here when it is there: the
     module pytest collected, tests/ on sys.path), and the stock step it was exported from."""
-    from test_upstream_cpu import shared_chunk_artifact_0_1_2, upstream
+    from test_upstream_cpu import built_flow, shared_chunk_artifact_0_1_2, upstream
 
-    from cadence_fx.adapters.token2wav import Token2WavConfig, Token2WavStep, build_flow, build_vocoder, example_prompt
+    from cadence_fx.adapters.token2wav import Token2WavConfig, Token2WavStep, build_vocoder, example_prompt
 
     cfg = Token2WavConfig.reduced()
     contract, path, digest = shared_chunk_artifact_0_1_2(cfg, tmp_path_factory)
     up = upstream("0.1.2")
-    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    step = Token2WavStep(built_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
     prompt_args = example_prompt(cfg)
     return step, prompt_args[2], step.setup(*prompt_args), contract, str(path), digest
 

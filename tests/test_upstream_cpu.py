@@ -14,6 +14,7 @@ the tests skip when they are missing.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import os
@@ -53,6 +54,24 @@ def upstream(version: str):
     up = load_stepaudio2(root)
     assert up.version == version
     return up
+
+
+_FLOWS: dict[tuple[str, str], tuple[torch.nn.Module, torch.Tensor]] = {}
+
+
+def built_flow(up, cfg: Token2WavConfig) -> torch.nn.Module:
+    """``build_flow(up, cfg)``, built once per release and configuration in this process: each call
+    returns a copy and leaves the global generator where the build left it, so a test sees what a
+    build of its own gives (the builders seed their own draws: two builds are the same model). The
+    build is seconds (the stock CFM allocates its released workspace before the configuration
+    shrinks it); a copy is a fraction of one."""
+    key = (str(up.root), repr(cfg))
+    if key not in _FLOWS:
+        flow = build_flow(up, cfg)
+        _FLOWS[key] = flow, torch.get_rng_state()
+    flow, rng = _FLOWS[key]
+    torch.set_rng_state(rng)
+    return copy.deepcopy(flow)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +122,13 @@ class PointerLog:
 
 
 def check_optimized(step, contract, eps, state, fresh, *, verify: bool, restore=None, seed: int = 0,
-                    replay="auto", warmup: bool = False, lanes: int = 1):
-    """Optimize, stream reference and optimized side by side, check everything; returns both streams."""
+                    replay="auto", warmup: bool = False, lanes: int = 1, reference: CatalogReference | None = None):
+    """Optimize, stream reference and optimized side by side, check everything; returns both streams.
+    ``reference``: the catalog's :class:`CatalogReference` when the caller has one (default: a new one)."""
     prog = cf.optimize(eps, contract, verify=verify, replay=replay, lanes=lanes)
     if warmup:
         prog.warmup(*[fresh[0].get(n) for n in step.inputs])
-    ref = CatalogReference(eps)
+    ref = reference if reference is not None else CatalogReference(eps)
     torch.manual_seed(seed)  # the 0.1.2 HiFT draws random numbers: both runs draw the same ones
     r = run_stream(ref, step, state, fresh, restore=restore)
     log = PointerLog(prog, step, contract)
@@ -144,8 +164,9 @@ def test_dit_step_exact(cfg):
     assert len(eps) == 3
     plan = cf.plan(eps, contract)
     assert list(plan.region("dit_att").extents) == [cfg.prompt_frames + i * cfg.chunk_frames for i in range(3)]
+    reference = CatalogReference(eps)
     for verify in (False, True):
-        prog, ref, _ = check_optimized(step, contract, eps, state, fresh, verify=verify)
+        prog, ref, _ = check_optimized(step, contract, eps, state, fresh, verify=verify, reference=reference)
         assert prog.stats["passes"]["retention_in_place"] > 0
     assert trims(step, "att_cache", state, ref) >= 2
     # the exported program is the stock computation: same as calling DiT.forward_chunk eagerly
@@ -166,8 +187,9 @@ def test_encoder_step_exact(cfg, version):
     contract = encoder_step_contract(cfg)
     eps = export_step_catalog(step, state, fresh, contract)
     assert len(eps) == 3
+    reference = CatalogReference(eps)
     for verify in (False, True):
-        _prog, ref, _ = check_optimized(step, contract, eps, state, fresh, verify=verify)
+        _prog, ref, _ = check_optimized(step, contract, eps, state, fresh, verify=verify, reference=reference)
     assert trims(step, "att_cache", state, ref) >= 2
     # the exported programs compute what the step computes eagerly (the decorated 1.0.7 entry point
     # is compared in test_full_step_1_0_7, through the stock driver)
@@ -205,7 +227,7 @@ def full_step_0_1_2(cfg):
     key = repr(cfg)
     if key not in _CATALOGS:
         up = upstream("0.1.2")
-        step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+        step = Token2WavStep(built_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
         prompt = example_prompt(cfg)
         state = step.setup(*prompt)
         fresh = step.fresh(CALLS, prompt[2], seed=7)
@@ -213,6 +235,20 @@ def full_step_0_1_2(cfg):
         eps = export_step_catalog(step, state, fresh, contract, granularity="step")
         _CATALOGS[key] = step, prompt, state, fresh, contract, eps
     return _CATALOGS[key]
+
+
+_REFERENCES: dict[str, CatalogReference] = {}
+
+
+def full_step_reference_0_1_2(cfg) -> CatalogReference:
+    """:func:`full_step_0_1_2`'s catalog unmodified (:class:`CatalogReference`), built once per session
+    for the tests that share the catalog: building one is ``ep.module()`` of every program, seconds for
+    these graphs, and the modules of one program share its parameters and buffers, so every stream of
+    it is the stream a new reference gives."""
+    key = repr(cfg)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = CatalogReference(full_step_0_1_2(cfg)[-1])
+    return _REFERENCES[key]
 
 
 _SAVED: dict[str, tuple] = {}
@@ -272,8 +308,9 @@ def test_full_step_0_1_2(cfg):
     contract = token2wav_contract(cfg, "chunk", driver="0.1.2")
     assert len(eps) == 3
 
+    reference = full_step_reference_0_1_2(cfg)
     torch.manual_seed(11)
-    plain = run_stream(CatalogReference(eps), step, state, fresh)
+    plain = run_stream(reference, step, state, fresh)
     assert trims(step, "estimator_att", state, plain) >= 2
     assert trims(step, "conformer_att", state, plain) >= 2
     # the exported step is the stock driver: Token2wav.stream's work, eagerly, draws the same numbers
@@ -283,7 +320,8 @@ def test_full_step_0_1_2(cfg):
 
     # roll back to the state after call 0 (26 frames of history) before call 4 (36 frames)
     snapshot = {k: v.clone() for k, v in step.carry(plain[0]).items()}
-    prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=True, restore={4: snapshot}, seed=11)
+    prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=True, restore={4: snapshot}, seed=11,
+                                     reference=reference)
     assert ref[4][step.state["estimator_att"]].shape[4] == cfg.prompt_frames + 2 * cfg.chunk_frames
     # chunk clock: encoder, the CFM loop in one segment per solver step (the adapter's default), the
     # vocoder in two segments (its istft checks the window envelope on the host every call, so it runs
@@ -315,7 +353,7 @@ def test_chunk_clock_whole_cfm_loop_as_one_graph(cfg, step_catalog):
     step, _prompt, state, fresh, _contract, eps = step_catalog
     contract = token2wav_contract(cfg, "chunk", driver="0.1.2", step_segments=False)
     prog, _ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
-                                       replay=FakeBackend(), warmup=True)
+                                       replay=FakeBackend(), warmup=True, reference=full_step_reference_0_1_2(cfg))
     for names in wrapped_invocations(prog):
         assert [n.split("__")[-1] for n in names] == ["flow.encoder", "flow.decoder", "vocoder", "vocoder"], names
     # the flow replays every call (on the CPU, HiFT's draws are host randomness: it stays eager here)
@@ -335,7 +373,8 @@ def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segm
     if segments:
         contract = token2wav_contract(cfg, "chunk", driver="0.1.2")  # segments: the default
     prog, ref, _opt = check_optimized(step, contract, eps, state, fresh, verify=False, seed=13,
-                                      replay=FakeBackend(), warmup=True, lanes=2 if segments else 1)
+                                      replay=FakeBackend(), warmup=True, lanes=2 if segments else 1,
+                                      reference=full_step_reference_0_1_2(cfg))
     # one engine per solver step and class: the estimator's (step clock) or the CFM loop's segments
     is_step = (lambda k: k.split(":")[-1].startswith("L__self__flow.decoder")) if segments else (  # noqa: E731
         lambda k: ".estimator" in k)
@@ -346,10 +385,10 @@ def test_each_solver_step_replays_on_views_of_the_region(cfg, step_catalog, segm
         # only the step's inputs (x, t, mu, spks, cond: a few KiB) are staged, never a cache
         assert all(r.staging_bytes < 64 << 10 for r in eng.classes.values()), [r.staging_bytes for r in eng.classes.values()]
     if segments:
-        _two_conversations_on_a_copied_lane(prog, step, contract, eps, state, fresh, ref)
+        _two_conversations_on_a_copied_lane(prog, step, contract, full_step_reference_0_1_2(cfg), state, fresh, ref)
 
 
-def _two_conversations_on_a_copied_lane(prog, step, contract, eps, state, fresh, ref13) -> None:
+def _two_conversations_on_a_copied_lane(prog, step, contract, reference, state, fresh, ref13) -> None:
     """``lanes=2``: lane 1 is a copy of lane 0's rewritten programs (the passes ran once). Two seeded
     sessions from two threads give their solo stock streams' bytes, and the copied lane served calls
     (sessions prefer the lane the default session's state is not resident in)."""
@@ -369,7 +408,7 @@ def _two_conversations_on_a_copied_lane(prog, step, contract, eps, state, fresh,
     for t in threads:
         t.join()
     torch.manual_seed(21)
-    solo = {13: ref13, 21: run_stream(CatalogReference(eps), step, state, fresh)}
+    solo = {13: ref13, 21: run_stream(reference, step, state, fresh)}
     for seed in (13, 21):
         assert_streams_equal(step, contract, solo[seed], got[seed])
     # the flow's graphs (on the CPU, HiFT's draws are host randomness: it stays eager)
@@ -381,7 +420,7 @@ def test_full_step_1_0_7(cfg):
     """1.0.7: flow chunk + both 1.0.7 trims, step clock (one partition per solver step), then the
     1.0.7 ``BoundedVocoder`` on the step's mel, eagerly, as its driver runs it."""
     up = upstream("1.0.7")
-    step = Token2WavStep(build_flow(up, cfg), None, cfg, driver="1.0.7").eval()
+    step = Token2WavStep(built_flow(up, cfg), None, cfg, driver="1.0.7").eval()
     ptok, pmel, spk = example_prompt(cfg)
     state = step.setup(ptok, pmel, spk)
     fresh = step.fresh(CALLS, spk, seed=6)
@@ -390,9 +429,11 @@ def test_full_step_1_0_7(cfg):
     eps = export_step_catalog(step, state, fresh, contract, granularity="step")
     assert len(eps) == 3
 
-    ref_plain = run_stream(CatalogReference(eps), step, state, fresh)
+    reference = CatalogReference(eps)
+    ref_plain = run_stream(reference, step, state, fresh)
     snapshot = {k: v.clone() for k, v in step.carry(ref_plain[0]).items()}
-    prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=False, restore={4: snapshot})
+    prog, ref, opt = check_optimized(step, contract, eps, state, fresh, verify=False, restore={4: snapshot},
+                                     reference=reference)
     assert trims(step, "estimator_att", state, ref_plain) >= 2
     for names in wrapped_invocations(prog):  # step clock: one partition per solver step
         assert len(names) == 1 + cfg.n_timesteps and "flow.encoder" in names[0], names
@@ -476,7 +517,7 @@ def test_driver_state_handling_gives_the_stock_call_bytes(cfg):
     stock_call clones every output. Same bytes either way, call after call."""
     up = upstream("0.1.2")
     torch.manual_seed(3)
-    step = Token2WavStep(build_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
+    step = Token2WavStep(built_flow(up, cfg), build_vocoder(up, cfg), cfg, driver="0.1.2").eval()
     prompt = example_prompt(cfg)
     state = step.setup(*prompt)
     fresh = step.fresh(4, prompt[2], seed=8)
@@ -506,7 +547,7 @@ def test_full_step_0_1_2_float16():
     step keeps the CPU suite short; the float16 path is the same at every step."""
     cfg = Token2WavConfig.reduced(n_timesteps=1)
     up = upstream("0.1.2")
-    step = Token2WavStep(build_flow(up, cfg).half(), build_vocoder(up, cfg), cfg, driver="0.1.2", float16=True).eval()
+    step = Token2WavStep(built_flow(up, cfg).half(), build_vocoder(up, cfg), cfg, driver="0.1.2", float16=True).eval()
     prompt = example_prompt(cfg)
     state = step.setup(*prompt)
     assert state["estimator_att"].dtype == torch.float16 and state["mel_cache"].dtype == torch.float32
@@ -523,7 +564,7 @@ def test_full_step_0_1_2_float16():
     assert prog.stats["passes"]["envelope_state"] == len(eps)
     assert sha256_tensors([t for c in stock for t in c]) == sha256_tensors([t for c in ref for t in c])
     with pytest.raises(ValueError, match="half"):
-        Token2WavStep(build_flow(up, cfg), None, cfg, float16=True)
+        Token2WavStep(built_flow(up, cfg), None, cfg, float16=True)
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "float16"])
@@ -531,7 +572,7 @@ def test_example_state_is_shaped_and_typed_like_the_prompt_state(cfg, half):
     """``example_state`` (what planning exports from, without running the prompt) has the shapes and
     dtypes of the state ``setup`` returns: under the float16 switch the flow's caches are half."""
     up = upstream("0.1.2")
-    flow = build_flow(up, cfg)
+    flow = built_flow(up, cfg)
     step = Token2WavStep(flow.half() if half else flow, build_vocoder(up, cfg), cfg, float16=half).eval()
     state = step.setup(*example_prompt(cfg))
     example = step.example_state()
